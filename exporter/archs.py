@@ -1,0 +1,81 @@
+"""Supported model families, as data.
+
+Each family is one small spec: which Hugging Face architecture class it is, how it is turned into
+ONNX (the graph form), and a tiny config for the seeded test model. Nothing else in specedge
+branches on an architecture name; the manifest carries everything the runtime needs.
+
+Graph forms:
+- "gqa-shared": ONNX Runtime GenAI's model builder, GroupQueryAttention with one KV buffer per
+  layer bound as past and present (in-place cache, O(1) rollback).
+- "concat": torch.onnx export with standard ops (present = concat(past, new)), for families the
+  builder does not cover; the runtime copies the valid cache prefix each call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specedge.runtime.errors import ExportError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One model family."""
+
+    model_type: str  # config.model_type in transformers
+    architecture: str  # config.architectures[0]
+    graph: str  # "gqa-shared" | "concat"
+    tiny_config: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""
+
+
+_LLAMA_LIKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   rms_norm_eps=1e-5)
+
+ARCHS: dict[str, ArchSpec] = {
+    spec.model_type: spec
+    for spec in (
+        ArchSpec("llama", "LlamaForCausalLM", "gqa-shared", dict(_LLAMA_LIKE),
+                 "SmolLM2, TinyLlama, Llama 2/3.x"),
+        ArchSpec("mistral", "MistralForCausalLM", "gqa-shared",
+                 dict(_LLAMA_LIKE, sliding_window=None)),
+        ArchSpec("qwen2", "Qwen2ForCausalLM", "gqa-shared", dict(_LLAMA_LIKE),
+                 "Qwen2 / Qwen2.5"),
+        ArchSpec("qwen3", "Qwen3ForCausalLM", "gqa-shared", dict(_LLAMA_LIKE, head_dim=16)),
+        ArchSpec("phi3", "Phi3ForCausalLM", "gqa-shared",
+                 dict(_LLAMA_LIKE, num_key_value_heads=4, pad_token_id=0,
+                      original_max_position_embeddings=512), "Phi-3 / Phi-3.5 / Phi-4-mini"),
+        ArchSpec("gemma", "GemmaForCausalLM", "gqa-shared", dict(_LLAMA_LIKE, head_dim=16)),
+        ArchSpec("gemma2", "Gemma2ForCausalLM", "gqa-shared",
+                 dict(_LLAMA_LIKE, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)),
+        ArchSpec("gemma3_text", "Gemma3ForCausalLM", "gqa-shared",
+                 dict(_LLAMA_LIKE, head_dim=16, sliding_window=64, query_pre_attn_scalar=16,
+                      sliding_window_pattern=2)),
+        ArchSpec("gpt2", "GPT2LMHeadModel", "concat",
+                 dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
+    )
+}
+
+
+def supported() -> str:
+    return ", ".join(sorted(ARCHS))
+
+
+def arch_for(config: Any, *, where: str) -> ArchSpec:
+    """The spec for a transformers config, or a clear error listing the supported families."""
+    model_type = getattr(config, "model_type", None)
+    archs = list(getattr(config, "architectures", None) or [])
+    spec = ARCHS.get(str(model_type))
+    if spec is None:
+        raise ExportError(
+            f"{where}: model type {model_type!r} ({', '.join(archs) or 'no architectures'}) is not "
+            f"supported; supported model types: {supported()}"
+        )
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise ExportError(
+            f"{where}: {', '.join(archs)} is not a causal language model; specedge exports "
+            "causal LMs (…ForCausalLM)"
+        )
+    return spec

@@ -1,0 +1,173 @@
+"""HF folder → ONNX model with KV-cache inputs/outputs, in one of two graph forms.
+
+- gqa-shared: ONNX Runtime GenAI's model builder (`onnxruntime_genai.models.builder`), run in a
+  subprocess. Its graphs use GroupQueryAttention with rotary embedding inside the op, take any
+  number of new tokens with a past, return logits for every new position, and accept one KV buffer
+  per layer bound as both past and present. Precisions: fp32, fp16 (CUDA), int8/int4 weight-only
+  (MatMulNBits, RTN) straight from the builder.
+- concat: `torch.onnx.export` (TorchScript exporter) of a small wrapper around the HF model with
+  standard ops, legacy tuple KV in and out. Used for families the builder does not cover (gpt2).
+
+Both return a `GraphInfo` the manifest is built from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specedge.runtime.errors import ExportError
+
+from .archs import ArchSpec
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    """What the exporter learned about the graph it wrote."""
+
+    onnx_path: Path
+    graph: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    vocab_size: int
+    kv_dtype: str
+    position_ids: str | None
+    genai_config: dict[str, Any] | None
+
+
+_BUILDER_PRECISION = {"fp32": "fp32", "fp16": "fp16", "int4": "int4", "int8": "int8"}
+
+
+def build_gqa(hf_dir: Path, out: Path, precision: str, provider: str, cache: Path,
+              extra: dict[str, str], log_file: Path) -> GraphInfo:
+    """Run the ONNX Runtime GenAI builder on an HF folder.
+
+    Raises:
+        ExportError: the builder failed (its log is kept in `log_file` and its last line shown).
+    """
+    if precision not in _BUILDER_PRECISION:
+        raise ExportError(f"precision {precision!r} is not available for the gqa-shared form")
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir),
+           "-o", str(out), "-p", _BUILDER_PRECISION[precision], "-e", provider,
+           "-c", str(cache)]
+    if extra:
+        cmd += ["--extra_options", *[f"{k}={v}" for k, v in extra.items()]]
+    env = dict(os.environ, TQDM_DISABLE="1", PYTHONWARNINGS="ignore")
+    with open(log_file, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    if proc.returncode != 0 or not (out / "model.onnx").is_file():
+        lines = [ln.strip() for ln in log_file.read_text(errors="replace").splitlines()
+                 if ln.strip()]
+        last = lines[-1][:300] if lines else "no output"
+        raise ExportError(f"{hf_dir}: the ONNX Runtime GenAI builder failed ({last}); "
+                          f"full log: {log_file}")
+    cfg = json.loads((out / "genai_config.json").read_text())
+    dec = cfg["model"]["decoder"]
+    import onnx
+
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    inputs = {i.name: i for i in model.graph.input}
+    past0 = inputs[dec["inputs"]["past_key_names"] % 0]
+    elem = past0.type.tensor_type.elem_type
+    kv_dtype = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}.get(elem)
+    if kv_dtype is None:
+        raise ExportError(f"{out}: unsupported KV dtype {elem} in the builder's graph")
+    return GraphInfo(
+        onnx_path=out / "model.onnx",
+        graph="gqa-shared",
+        num_layers=int(dec["num_hidden_layers"]),
+        num_kv_heads=int(dec["num_key_value_heads"]),
+        head_dim=int(dec["head_size"]),
+        max_seq_len=int(cfg["model"]["context_length"]),
+        vocab_size=int(cfg["model"]["vocab_size"]),
+        kv_dtype=kv_dtype,
+        position_ids="position_ids" if "position_ids" in inputs else None,
+        genai_config=cfg,
+    )
+
+
+def export_concat(hf_dir: Path, out: Path, arch: ArchSpec, precision: str) -> GraphInfo:
+    """Export with torch.onnx (standard ops, concat KV) for families the builder lacks."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if precision not in ("fp32",):
+        raise ExportError(f"{arch.model_type}: the concat form exports fp32 only (then quantize "
+                          "with --precision int8/int4 on the fp32 graph)")
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model.eval()
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    wrapper = _ConcatWrapper(model, layers)
+    out.mkdir(parents=True, exist_ok=True)
+    past = [torch.zeros(1, heads, 3, head_dim) for _ in range(2 * layers)]
+    ids = torch.ones(1, 2, dtype=torch.long)
+    mask = torch.ones(1, 5, dtype=torch.long)
+    pos = torch.tensor([[3, 4]], dtype=torch.long)
+    names_in = ["input_ids", "attention_mask", "position_ids"] + [
+        f"past_key_values.{i}.{kv}" for kv in ("key", "value") for i in range(layers)]
+    names_out = ["logits"] + [f"present.{i}.{kv}" for kv in ("key", "value")
+                              for i in range(layers)]
+    dyn: dict[str, dict[int, str]] = {
+        "input_ids": {0: "batch", 1: "new"}, "attention_mask": {0: "batch", 1: "total"},
+        "position_ids": {0: "batch", 1: "new"}, "logits": {0: "batch", 1: "new"}}
+    for n in names_in[3:]:
+        dyn[n] = {0: "batch", 2: "past"}
+    for n in names_out[1:]:
+        dyn[n] = {0: "batch", 2: "total"}
+    with torch.no_grad():
+        torch.onnx.export(wrapper, (ids, mask, pos, *past), str(out / "model.onnx"),
+                          input_names=names_in, output_names=names_out, dynamic_axes=dyn,
+                          opset_version=17, dynamo=False)
+    return GraphInfo(
+        onnx_path=out / "model.onnx", graph="concat", num_layers=layers, num_kv_heads=heads,
+        head_dim=head_dim, max_seq_len=int(config.max_position_embeddings),
+        vocab_size=int(config.vocab_size), kv_dtype="float32", position_ids="position_ids",
+        genai_config=None)
+
+
+class _ConcatWrapper:  # a torch.nn.Module is created lazily to keep torch out of module import
+    def __new__(cls, model: Any, layers: int) -> Any:
+        import torch
+        from transformers import DynamicCache
+
+        class Wrapper(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids: Any, attention_mask: Any, position_ids: Any,
+                        *past: Any) -> Any:
+                cache = DynamicCache()
+                for i in range(layers):
+                    cache.update(past[i], past[layers + i], i)
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, past_key_values=cache, use_cache=True)
+                kv = out.past_key_values
+                keys = [kv.layers[i].keys for i in range(layers)]
+                values = [kv.layers[i].values for i in range(layers)]
+                return (out.logits, *keys, *values)
+
+        return Wrapper()
+
+
+def move_model(src_onnx: Path, dest_dir: Path) -> list[Path]:
+    """Move model.onnx and its external data file(s) into `dest_dir`."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for f in sorted(src_onnx.parent.iterdir()):
+        if f.name == src_onnx.name or f.name.startswith(src_onnx.name + ".") or f.suffix == ".data":
+            shutil.move(str(f), str(dest_dir / f.name))
+            moved.append(dest_dir / f.name)
+    return moved

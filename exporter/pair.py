@@ -1,0 +1,316 @@
+"""Write a pair folder: target (+ draft) ONNX models, tokenizer, validation, manifest.
+
+The folder is written to a temporary sibling and renamed into place at the very end, so an error
+or a Ctrl-C never leaves a half-written pair behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specedge import __version__
+from specedge.runtime.errors import ExportError, InputError
+from specedge.runtime.manifest import (
+    PRECISIONS,
+    Defaults,
+    KVSpec,
+    ModelSpec,
+    PairManifest,
+    sha256_file,
+    write_manifest,
+)
+
+from . import onnx_export, quantize, sources, validate
+from .archs import arch_for
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What `specedge export` was asked to do.
+
+    Attributes:
+        target: HF folder, hub id or .gguf file of the target.
+        output: the pair folder to create.
+        draft: source of the draft; None means a self-draft of the target when
+            `draft_precision` is set, or no draft model at all (n-gram drafting only).
+        precision: target precision.
+        draft_precision: draft precision (None: no draft model unless `draft` is given, then fp32).
+        provider: the execution provider the graphs are built for ("cpu" or "cuda").
+        num_draft_tokens: default K written to the manifest.
+        force: replace an existing output folder.
+        validate: compare every model with torch after export.
+    """
+
+    target: str
+    output: Path
+    draft: str | None = None
+    precision: str = "fp32"
+    draft_precision: str | None = None
+    provider: str = "cpu"
+    num_draft_tokens: int = 3
+    force: bool = False
+    validate: bool = True
+    builder_options: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key, value in (("precision", self.precision), ("draft_precision",
+                                                            self.draft_precision)):
+            if value is not None and value not in PRECISIONS:
+                raise InputError(f"--{key.replace('_', '-')} {value!r}: use one of "
+                                 f"{', '.join(PRECISIONS)}")
+        if self.provider not in ("cpu", "cuda"):
+            raise InputError(f"--provider {self.provider!r}: use cpu or cuda")
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise InputError(f"--num-draft-tokens {self.num_draft_tokens}: use 1..64")
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export produced."""
+
+    folder: Path
+    manifest: PairManifest
+    seconds: float
+    peak_rss_mb: float
+
+
+def _check_output(opts: ExportOptions) -> Path:
+    out = opts.output.expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise InputError(f"{out}: exists and is not a folder; choose another --output")
+    if out.is_dir() and any(out.iterdir()) and not opts.force:
+        raise InputError(f"{out}: folder exists and is not empty; pass --force to replace it")
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{parent}: cannot create the output folder ({exc.strerror})") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{parent}: not writable; choose another --output")
+    return out
+
+
+def _tokenizer_vocab(folder: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        raise ExportError(f"{folder}: no tokenizer.json (a fast tokenizer is required)")
+    return dict(Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True))
+
+
+def check_same_vocab(target: Path, draft: Path) -> None:
+    """Refuse a draft whose tokenizer differs from the target's."""
+    tv, dv = _tokenizer_vocab(target), _tokenizer_vocab(draft)
+    if tv == dv:
+        return
+    only_t = sorted(set(tv) - set(dv))[:3]
+    only_d = sorted(set(dv) - set(tv))[:3]
+    moved = sorted(t for t in set(tv) & set(dv) if tv[t] != dv[t])[:3]
+    raise ExportError(
+        f"draft {draft} and target {target} have different vocabularies ({len(dv)} vs "
+        f"{len(tv)} tokens; only in target: {only_t}, only in draft: {only_d}, different ids: "
+        f"{moved}); speculative decoding needs one shared tokenizer"
+    )
+
+
+def _special_tokens(hf_dir: Path, config: dict[str, Any]) -> tuple[int | None, list[int],
+                                                                    int | None]:
+    eos: list[int] = []
+    sources_ = [config]
+    gen = hf_dir / "generation_config.json"
+    if gen.is_file():
+        sources_.append(json.loads(gen.read_text()))
+    for src in sources_:
+        value = src.get("eos_token_id")
+        for t in value if isinstance(value, list) else [value]:
+            if isinstance(t, int) and t not in eos:
+                eos.append(t)
+    tok_cfg = hf_dir / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        cfg = json.loads(tok_cfg.read_text())
+        name = cfg.get("eos_token")
+        name = name.get("content") if isinstance(name, dict) else name
+        if isinstance(name, str):
+            vocab = _tokenizer_vocab(hf_dir)
+            if name in vocab and vocab[name] not in eos:
+                eos.append(vocab[name])
+    if not eos:
+        raise ExportError(f"{hf_dir}: no eos_token_id in config.json or generation_config.json")
+    bos = config.get("bos_token_id")
+    pad = config.get("pad_token_id")
+    return (bos if isinstance(bos, int) else None, eos, pad if isinstance(pad, int) else None)
+
+
+def _copy_tokenizer(hf_dir: Path, dest: Path) -> dict[str, str]:
+    files: dict[str, str] = {}
+    for name in TOKENIZER_FILES:
+        src = hf_dir / name
+        if src.is_file():
+            shutil.copy2(src, dest / name)
+    if not (dest / "chat_template.jinja").is_file():
+        cfg_file = dest / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        if isinstance(cfg.get("chat_template"), str):
+            (dest / "chat_template.jinja").write_text(cfg["chat_template"])
+    for name in TOKENIZER_FILES:
+        if (dest / name).is_file():
+            files[name] = sha256_file(dest / name)
+    if "tokenizer.json" not in files:
+        raise ExportError(f"{hf_dir}: no tokenizer.json (a fast tokenizer is required)")
+    return files
+
+
+def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOptions,
+                  tmp: Path, work: Path) -> ModelSpec:
+    config_dict = sources.read_config(src.folder)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(src.folder))
+    arch = arch_for(config, where=str(src.folder))
+    build = work / f"{name}-onnx"
+    if arch.graph == "gqa-shared" and precision != "int8":
+        info = onnx_export.build_gqa(src.folder, build, precision, opts.provider,
+                                     work / "cache", dict(opts.builder_options),
+                                     work / f"{name}-builder.log")
+    else:
+        fp32 = work / f"{name}-fp32"
+        if arch.graph == "gqa-shared":
+            info = onnx_export.build_gqa(src.folder, fp32, "fp32", opts.provider, work / "cache",
+                                         dict(opts.builder_options), work / f"{name}-builder.log")
+        else:
+            info = onnx_export.export_concat(src.folder, fp32, arch, "fp32")
+        if precision == "fp32":
+            build = fp32
+        else:
+            build.mkdir(parents=True, exist_ok=True)
+            if precision == "int8":
+                quantize.int8_dynamic(info.onnx_path, build / "model.onnx")
+            elif precision == "int4":
+                quantize.int4_weight_only(info.onnx_path, build / "model.onnx")
+            else:
+                raise ExportError(f"{src.folder}: {arch.model_type} exports fp32, int8 or int4 "
+                                  f"(not {precision}) in the {arch.graph} form")
+        info = onnx_export.GraphInfo(**{**info.__dict__, "onnx_path": build / "model.onnx"})
+    moved = onnx_export.move_model(info.onnx_path, tmp / name)
+    files = {str(p.relative_to(tmp)): sha256_file(p) for p in moved}
+    return ModelSpec(
+        path=f"{name}/model.onnx",
+        files=files,
+        precision=precision,
+        graph=info.graph,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        max_seq_len=info.max_seq_len,
+        vocab_size=info.vocab_size,
+        kv=KVSpec(dtype=info.kv_dtype),
+        position_ids=info.position_ids,
+        logits_dtype=info.kv_dtype,
+        source={**src.provenance(), "model_type": config_dict.get("model_type"),
+                "architecture": (config_dict.get("architectures") or [None])[0]},
+    )
+
+
+def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
+    """Export a target (and a draft) into a validated pair folder, atomically.
+
+    Args:
+        opts: the export options.
+        progress: optional callable taking a status string (the CLI passes a spinner).
+
+    Raises:
+        InputError / ExportError: bad arguments, unsupported or mismatched models, failed
+            validation. Nothing is left at `opts.output` on failure.
+    """
+    say = progress or (lambda _msg: None)
+    start = time.perf_counter()
+    out = _check_output(opts)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    work = Path(tempfile.mkdtemp(prefix="specedge-export-"))
+    try:
+        say("resolving the target")
+        target_src = sources.resolve(opts.target, work, "target")
+        draft_src: sources.Source | None = None
+        draft_precision = opts.draft_precision
+        if opts.draft is not None:
+            say("resolving the draft")
+            draft_src = sources.resolve(opts.draft, work, "draft")
+            draft_precision = draft_precision or "fp32"
+        elif draft_precision is not None:
+            draft_src = target_src  # self-draft: the same model at another precision
+        if draft_src is not None and draft_src.folder != target_src.folder:
+            check_same_vocab(target_src.folder, draft_src.folder)
+        say(f"exporting the target ({opts.precision})")
+        target = _export_model(target_src, opts.precision, "target", opts, tmp, work)
+        draft = None
+        if draft_src is not None and draft_precision is not None:
+            say(f"exporting the draft ({draft_precision})")
+            draft = _export_model(draft_src, draft_precision, "draft", opts, tmp, work)
+            if draft.vocab_size != target.vocab_size:
+                raise ExportError(f"draft vocab_size {draft.vocab_size} != target vocab_size "
+                                  f"{target.vocab_size}; the models cannot form a pair")
+        tokenizer_files = _copy_tokenizer(target_src.folder, tmp)
+        bos, eos, pad = _special_tokens(target_src.folder, sources.read_config(target_src.folder))
+        if opts.validate:
+            say("validating against torch")
+            target, draft = _validate(tmp, target, draft, target_src, draft_src)
+        manifest = PairManifest(
+            root=out, target=target, draft=draft, vocab_size=target.vocab_size,
+            bos_token_id=bos, eos_token_ids=tuple(eos), pad_token_id=pad,
+            tokenizer_files=tokenizer_files,
+            defaults=Defaults(drafter="model" if draft else "ngram",
+                              num_draft_tokens=opts.num_draft_tokens),
+            provenance={"specedge": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                          time.gmtime()),
+                        "provider": opts.provider},
+        )
+        write_manifest(manifest, tmp)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+    return ExportReport(out, manifest, time.perf_counter() - start, peak)
+
+
+def _validate(tmp: Path, target: ModelSpec, draft: ModelSpec | None,
+              target_src: sources.Source, draft_src: sources.Source | None
+              ) -> tuple[ModelSpec, ModelSpec | None]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(target_src.folder / "tokenizer.json"))
+    text = tok.encode("Speculative decoding makes edge devices fast, and exact too.").ids
+    ids = validate.validation_ids(target.vocab_size, text)
+    ref = validate.torch_logits(target_src.folder, ids)
+    target = _with_validation(target, validate.validate_model(tmp, target, "target", ref, ids))
+    if draft is not None and draft_src is not None:
+        dref = ref if draft_src.folder == target_src.folder else validate.torch_logits(
+            draft_src.folder, ids)
+        draft = _with_validation(draft, validate.validate_model(tmp, draft, "draft", dref, ids))
+    return target, draft
+
+
+def _with_validation(spec: ModelSpec, result: dict[str, Any]) -> ModelSpec:
+    from dataclasses import replace
+
+    return replace(spec, validation=result)

@@ -1,0 +1,129 @@
+"""Model sources: a local Hugging Face folder, a hub id, or a GGUF file → a local HF folder.
+
+Every source ends up as a plain Hugging Face folder (config.json, safetensors, tokenizer files)
+because that is what both the ONNX Runtime GenAI builder and transformers' validation read.
+GGUF files are dequantized by transformers (`from_pretrained(..., gguf_file=...)`, needs `gguf`),
+then loaded into a fresh model built from the config without its `quantization_config` so that
+`save_pretrained` accepts it. Hub ids are downloaded with `huggingface_hub.snapshot_download`
+(needs a network; this fails with a clear message offline).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specedge.runtime.errors import ExportError
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "tokenizer*"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved model source."""
+
+    folder: Path  # a local Hugging Face folder
+    kind: str  # "folder" | "hub" | "gguf"
+    origin: str  # what the user passed
+
+    def provenance(self) -> dict[str, Any]:
+        return {"kind": self.kind, "origin": self.origin}
+
+
+def resolve(spec: str, work: Path, name: str) -> Source:
+    """Turn a user's model argument into a local HF folder.
+
+    Args:
+        spec: a folder, a `.gguf` file, or a hub id like `HuggingFaceTB/SmolLM2-135M-Instruct`.
+        work: scratch folder for conversions and downloads.
+        name: "target" or "draft", for messages and scratch names.
+
+    Raises:
+        ExportError: missing path, corrupt GGUF, non-HF folder, failed download.
+    """
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ExportError(
+                f"{path}: no config.json; pass a Hugging Face model folder, a .gguf file or a "
+                "hub id as the {name}".replace("{name}", name)
+            )
+        return Source(path, "folder", spec)
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or _is_gguf(path):
+            return Source(gguf_to_folder(path, work / f"{name}-gguf"), "gguf", spec)
+        raise ExportError(
+            f"{path}: not a .gguf file nor a model folder; pass a Hugging Face folder, a .gguf "
+            "file or a hub id"
+        )
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
+        return Source(download(spec, work / f"{name}-hub"), "hub", spec)
+    raise ExportError(f"{spec}: no such file or folder (and not a hub id like org/name)")
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4) == b"GGUF"
+
+
+def download(repo_id: str, out: Path) -> Path:
+    """Download the files an export needs from the Hugging Face hub."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover - part of the [export] extra
+        raise ExportError("huggingface_hub is missing; pip install 'specedge[export]'") from None
+    try:
+        folder = snapshot_download(repo_id, local_dir=str(out), allow_patterns=_HUB_PATTERNS)
+    except Exception as exc:  # the hub client raises many types (offline, 404, auth)
+        raise ExportError(
+            f"{repo_id}: could not download from the Hugging Face hub ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); check the id and the "
+            "network, or pass a local folder or .gguf file"
+        ) from None
+    return Path(folder)
+
+
+def gguf_to_folder(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF checkpoint into a float32 Hugging Face folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not _is_gguf(gguf):
+        raise ExportError(f"{gguf}: not a GGUF file (bad magic bytes); check the download")
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:  # gguf / transformers raise many types for corrupt files
+        msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ExportError(
+            f"{gguf}: could not read the GGUF file ({msg}); the file is corrupt, truncated or "
+            "of an architecture transformers cannot dequantize"
+        ) from None
+    cfg = loaded.config.to_dict()
+    cfg.pop("quantization_config", None)
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "model_type"},
+                                  model_type=cfg["model_type"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """config.json of an HF folder, with a clear error when it is unreadable."""
+    file = folder / "config.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExportError(f"{file}: unreadable ({exc}); pass a Hugging Face model folder") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{file}: not a JSON object")
+    return data

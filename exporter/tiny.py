@@ -1,0 +1,80 @@
+"""Tiny seeded random models, built in seconds from a config, for tests and demos.
+
+`make_tiny_model("llama", folder, seed=0)` writes a complete Hugging Face folder (config,
+safetensors, a small byte-level BPE tokenizer trained in memory, tokenizer_config.json and a chat
+template) for any family in `archs.ARCHS`. Same seed, same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .archs import ARCHS
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens and verifies them in one pass.",
+    "def add(a, b):\n    return a + b\n",
+    "héllo wörld, 日本語のテキスト, emoji 🙂🚀 and numbers 0123456789.",
+    "Edge devices like Jetson run small language models with TensorRT.",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(folder: Path, vocab_size: int = 320) -> int:
+    """Train a small byte-level BPE tokenizer and save it; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "model_max_length": 512,
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=2))
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return int(tok.get_vocab_size(with_added_tokens=True))
+
+
+def make_tiny_model(model_type: str, folder: Path, *, seed: int = 0, num_layers: int | None = None,
+                    init_std: float = 0.1) -> Path:
+    """Write a tiny random model of family `model_type` (see `archs.ARCHS`) to `folder`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = ARCHS[model_type]
+    vocab = make_tokenizer(folder)
+    kwargs = dict(spec.tiny_config)
+    if num_layers is not None:
+        kwargs["n_layer" if model_type == "gpt2" else "num_hidden_layers"] = num_layers
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab, bos_token_id=0, eos_token_id=2, pad_token_id=0,
+        initializer_range=init_std, tie_word_embeddings=False, architectures=[spec.architecture],
+        **{k: v for k, v in kwargs.items() if k != "pad_token_id"},
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Norm weights start at 1 (or 0 for gemma's 1+w form); jitter them so every weight matters.
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.05)
+    model.eval()
+    model.save_pretrained(str(folder))
+    return folder

@@ -1,0 +1,280 @@
+"""ONNX Runtime backend: "run these new tokens against this cache, give logits".
+
+One `OrtModel` wraps one InferenceSession (shared by every generation that uses the pair); each
+generation owns its `KVCache`. For the `gqa-shared` graph form (ONNX Runtime GenAI's
+GroupQueryAttention graphs) the cache is one preallocated `[batch, kv_heads, max_len, head_dim]`
+OrtValue per layer and tensor, bound with IO binding as *both* past input and present output: the
+model writes the new keys/values in place, nothing is copied, and rollback is setting a shorter
+length (the attention mask says how many cached positions are valid). On CUDA the buffers live on
+the device. The `concat` form (standard ops, `present = concat(past, new)`) copies the valid part
+of the cache each call; it exists for graphs the GQA builder cannot produce.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import InputError, ModelError
+from .manifest import ModelSpec
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How one model's ONNX Runtime session is created.
+
+    Attributes:
+        provider: "cpu", "cuda" or "tensorrt".
+        intra_op_threads: threads for one operator; 0 lets ONNX Runtime pick (all cores).
+        allow_spinning: whether idle intra-op threads busy-wait. Two sessions that run one after
+            the other on the same cores must not spin, or the idle one steals the busy one's cores.
+        graph_optimization: "all", "extended", "basic" or "disable".
+        device_id: GPU ordinal for CUDA / TensorRT.
+        trt_cache_dir: where the TensorRT EP keeps its engine cache (inside the pair folder).
+    """
+
+    provider: str = "cpu"
+    intra_op_threads: int = 0
+    allow_spinning: bool = True
+    graph_optimization: str = "all"
+    device_id: int = 0
+    trt_cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.provider not in PROVIDERS:
+            raise InputError(
+                f"unknown execution provider {self.provider!r}; use one of "
+                f"{', '.join(PROVIDERS)}"
+            )
+        if self.intra_op_threads < 0:
+            raise InputError(f"threads must be >= 0, got {self.intra_op_threads}")
+        if self.graph_optimization not in ("all", "extended", "basic", "disable"):
+            raise InputError(f"unknown graph optimization level {self.graph_optimization!r}")
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.provider == "cpu" else "cuda"
+
+
+def physical_cores() -> int:
+    """Cores this process may use (affinity-aware)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _session_options(config: SessionConfig) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = config.intra_op_threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = {
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    }[config.graph_optimization]
+    so.add_session_config_entry("session.intra_op.allow_spinning",
+                                "1" if config.allow_spinning else "0")
+    so.log_severity_level = 3
+    return so
+
+
+def _providers(config: SessionConfig) -> list[Any]:
+    available = ort.get_available_providers()
+    name = PROVIDERS[config.provider]
+    if name not in available:
+        raise InputError(
+            f"execution provider {config.provider!r} ({name}) is not available in this "
+            f"onnxruntime build (available: {', '.join(available)}); install onnxruntime-gpu "
+            "for cuda/tensorrt, or use --providers cpu"
+        )
+    if config.provider == "cpu":
+        return ["CPUExecutionProvider"]
+    cuda = ("CUDAExecutionProvider", {"device_id": config.device_id})
+    if config.provider == "cuda":
+        return [cuda, "CPUExecutionProvider"]
+    trt_opts: dict[str, Any] = {"device_id": config.device_id, "trt_fp16_enable": True}
+    if config.trt_cache_dir:
+        trt_opts.update(trt_engine_cache_enable=True, trt_engine_cache_path=config.trt_cache_dir,
+                        trt_timing_cache_enable=True)
+    return [("TensorrtExecutionProvider", trt_opts), cuda, "CPUExecutionProvider"]
+
+
+class KVCache:
+    """Preallocated KV buffers of one model for one generation, with a valid length per row.
+
+    Invariant: positions `[0, lengths[b])` of row b hold the keys/values of the tokens fed so
+    far; anything beyond is garbage that the attention mask hides. Rollback shortens `lengths`.
+    """
+
+    def __init__(self, model: OrtModel, batch: int, max_len: int) -> None:
+        spec = model.spec
+        if not 1 <= max_len <= spec.max_seq_len:
+            raise InputError(f"cache length {max_len} outside [1, {spec.max_seq_len}]")
+        self.model, self.batch, self.max_len = model, batch, max_len
+        self.lengths = np.zeros(batch, dtype=np.int64)
+        dtype = _NP_DTYPES[spec.kv.dtype]
+        shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
+        self.host: list[np.ndarray] = []
+        self.values: list[ort.OrtValue] = []
+        for _ in range(2 * spec.num_layers):
+            if spec.graph == "gqa-shared":
+                self.values.append(ort.OrtValue.ortvalue_from_shape_and_type(
+                    shape, dtype, model.config.device, model.config.device_id))
+            else:
+                self.host.append(np.zeros(shape, dtype=dtype))
+        self._binding: Any = None
+
+    def rollback(self, lengths: np.ndarray | int) -> None:
+        """Set the valid length of each row (O(1): nothing is recomputed or copied)."""
+        new = np.broadcast_to(np.asarray(lengths, dtype=np.int64), self.lengths.shape)
+        if (new > self.lengths).any() or (new < 0).any():
+            raise AssertionError(f"rollback to {new} from {self.lengths}: can only shrink")
+        self.lengths = new.copy()
+
+    def reset(self) -> None:
+        self.lengths[:] = 0
+
+
+class OrtModel:
+    """One exported model in an ONNX Runtime session (thread-safe to share between caches)."""
+
+    def __init__(self, root: Path, spec: ModelSpec, name: str, config: SessionConfig) -> None:
+        self.spec, self.name, self.config = spec, name, config
+        path = root / spec.path
+        try:
+            self.session = ort.InferenceSession(str(path), _session_options(config),
+                                                providers=_providers(config))
+        except InputError:
+            raise
+        except Exception as exc:  # onnxruntime raises its own exception types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelError(
+                f"{path}: ONNX Runtime could not load the {name} model ({first[:300]}); the file "
+                "may be truncated or corrupt: re-export the pair"
+            ) from None
+        self._check_io()
+        self._kv_names = [
+            (spec.kv.past_key.format(i=i), spec.kv.present_key.format(i=i))
+            for i in range(spec.num_layers)
+        ] + [
+            (spec.kv.past_value.format(i=i), spec.kv.present_value.format(i=i))
+            for i in range(spec.num_layers)
+        ]
+        self.calls = 0
+
+    def _check_io(self) -> None:
+        spec = self.spec
+        inputs = {i.name for i in self.session.get_inputs()}
+        outputs = {o.name for o in self.session.get_outputs()}
+        needed_in = [spec.input_ids, spec.attention_mask, spec.kv.past_key.format(i=0),
+                     spec.kv.past_value.format(i=spec.num_layers - 1)]
+        if spec.position_ids:
+            needed_in.append(spec.position_ids)
+        needed_out = [spec.logits, spec.kv.present_key.format(i=spec.num_layers - 1)]
+        missing = [n for n in needed_in if n not in inputs] + [
+            n for n in needed_out if n not in outputs]
+        if missing:
+            raise ModelError(
+                f"{self.spec.path}: the {self.name} model lacks the tensors the manifest names "
+                f"({', '.join(missing)}); re-export the pair"
+            )
+        logits = next(o for o in self.session.get_outputs() if o.name == spec.logits)
+        vocab = logits.shape[-1]
+        if isinstance(vocab, int) and vocab != spec.vocab_size:
+            raise ModelError(
+                f"{self.spec.path}: the {self.name} model has a vocabulary of {vocab} but the "
+                f"manifest says {spec.vocab_size}; re-export the pair"
+            )
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
+        return KVCache(self, batch, max_len or self.spec.max_seq_len)
+
+    def forward(self, cache: KVCache, tokens: np.ndarray) -> np.ndarray:
+        """Feed `tokens` after each row's cached prefix and return their logits.
+
+        Args:
+            cache: this model's cache; every row's length grows by `tokens.shape[1]`.
+            tokens: int64 `[batch, new]`.
+
+        Returns:
+            logits `[batch, new, vocab]` (float32, host memory).
+
+        Raises:
+            InputError: the cache would overflow its length.
+            ModelError: the model produced NaN or inf logits.
+        """
+        batch, new = tokens.shape
+        lengths = cache.lengths
+        total = int(lengths.max()) + new
+        if total > cache.max_len:
+            raise InputError(
+                f"{self.name} model: {total} tokens exceed the context of {cache.max_len}"
+            )
+        mask = (np.arange(total)[None, :] < (lengths[:, None] + new)).astype(np.int64)
+        if self.spec.graph == "gqa-shared":
+            logits = self._run_shared(cache, tokens, mask)
+        else:
+            logits = self._run_concat(cache, tokens, mask)
+        cache.lengths = lengths + new
+        self.calls += 1
+        if not math.isfinite(float(logits.sum(dtype=np.float64))):
+            raise ModelError(
+                f"the {self.name} model ({self.spec.path}) produced NaN or inf logits; check "
+                "its precision (fp16 overflow?) and re-export or re-quantize it"
+            )
+        return logits
+
+    def _positions(self, cache: KVCache, new: int) -> np.ndarray:
+        return cache.lengths[:, None] + np.arange(new, dtype=np.int64)[None, :]
+
+    def _run_shared(self, cache: KVCache, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        binding = cache._binding
+        if binding is None:
+            # The KV bindings never change: bind them once per cache.
+            binding = self.session.io_binding()
+            for (past, present), value in zip(self._kv_names, cache.values, strict=True):
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+            cache._binding = binding
+        binding.bind_cpu_input(self.spec.input_ids, np.ascontiguousarray(tokens, dtype=np.int64))
+        binding.bind_cpu_input(self.spec.attention_mask, mask)
+        if self.spec.position_ids:
+            binding.bind_cpu_input(self.spec.position_ids, self._positions(cache, tokens.shape[1]))
+        binding.bind_output(self.spec.logits, "cpu")
+        self.session.run_with_iobinding(binding)
+        out = binding.get_outputs()
+        # Outputs come back in binding order: the 2*layers presents first, then the logits.
+        return np.asarray(out[len(self._kv_names)].numpy())
+
+    def _run_concat(self, cache: KVCache, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        past_len = int(cache.lengths.max())
+        if (cache.lengths != past_len).any():
+            raise InputError("concat-form graphs need equal row lengths; use a gqa-shared pair")
+        feeds: dict[str, Any] = {self.spec.input_ids: tokens.astype(np.int64),
+                                 self.spec.attention_mask: mask}
+        if self.spec.position_ids:
+            feeds[self.spec.position_ids] = self._positions(cache, tokens.shape[1])
+        for (past, _), buf in zip(self._kv_names, cache.host, strict=True):
+            feeds[past] = np.ascontiguousarray(buf[:, :, :past_len])
+        names = [self.spec.logits] + [present for _, present in self._kv_names]
+        outs = self.session.run(names, feeds)
+        new = tokens.shape[1]
+        for buf, present in zip(cache.host, outs[1:], strict=True):
+            buf[:, :, past_len:past_len + new] = present[:, :, past_len:past_len + new]
+        return np.asarray(outs[0])

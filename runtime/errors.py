@@ -1,0 +1,28 @@
+"""Errors raised by specedge.
+
+One base class for the whole package, and a few specific subclasses. Messages name the file or
+the key, what was expected, what was found, and what to do. The CLI turns any `SpecEdgeError`
+into one clean line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+
+class SpecEdgeError(Exception):
+    """Base class of every error specedge raises on purpose."""
+
+
+class ManifestError(SpecEdgeError):
+    """A pair folder or its `specedge.json` is missing, malformed, tampered or unsupported."""
+
+
+class InputError(SpecEdgeError):
+    """A user-supplied argument (prompt, parameter, path) is invalid."""
+
+
+class ModelError(SpecEdgeError):
+    """A model misbehaved at run time (NaN/inf logits, failed session)."""
+
+
+class ExportError(SpecEdgeError):
+    """An export could not be done, or its validation failed."""

@@ -1,0 +1,417 @@
+"""The pair manifest (`specedge.json`): schema, frozen dataclasses, loading and validation.
+
+The manifest is the whole contract between the exporter and the runtime: the runtime never guesses
+from file names or architecture names. It is untrusted input: every field is type-checked, every
+path must stay inside the pair folder (no absolute paths, no `..`, no symlinks that leave it), and
+the sha256 of every model file is checked on load unless the caller opts out.
+
+The exporter imports this module to write the file, so the schema lives in one place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ManifestError
+
+FORMAT = "specedge.pair"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "specedge.json"
+
+GRAPH_FORMS = ("gqa-shared", "concat")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+KV_DTYPES = ("float32", "float16")
+DRAFTERS = ("model", "ngram", "hybrid")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Names, layout and dtype of one model's KV cache tensors.
+
+    Name patterns contain `{i}` for the layer index. Layout is always
+    `[batch, kv_heads, seq, head_dim]` ("BHSD").
+    """
+
+    past_key: str = "past_key_values.{i}.key"
+    past_value: str = "past_key_values.{i}.value"
+    present_key: str = "present.{i}.key"
+    present_value: str = "present.{i}.value"
+    layout: str = "BHSD"
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the runtime needs to run one exported model."""
+
+    path: str  # relative to the pair folder, e.g. "target/model.onnx"
+    files: dict[str, str]  # relative path -> sha256 of every file the model needs
+    precision: str
+    graph: str  # "gqa-shared": one buffer bound as past and present; "concat": present = past + new
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    vocab_size: int
+    kv: KVSpec = field(default_factory=KVSpec)
+    input_ids: str = "input_ids"
+    attention_mask: str = "attention_mask"
+    position_ids: str | None = None
+    logits: str = "logits"
+    logits_dtype: str = "float32"
+    validation: dict[str, Any] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Run-time defaults for the pair (written by export and later by `specedge tune`)."""
+
+    drafter: str = "model"
+    num_draft_tokens: int = 3
+    adaptive: bool = True
+    target_threads: int = 0  # 0: decide at load time from the cores present
+    draft_threads: int = 0
+
+
+@dataclass(frozen=True)
+class PairManifest:
+    """The parsed, validated `specedge.json` of a pair folder."""
+
+    root: Path
+    target: ModelSpec
+    draft: ModelSpec | None
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    tokenizer_files: dict[str, str]  # relative path -> sha256
+    defaults: Defaults = field(default_factory=Defaults)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION
+
+    def path(self, relative: str) -> Path:
+        """Absolute path of a file named in the manifest (already confined at load)."""
+        return self.root / relative
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as a JSON-ready dict (the inverse of `parse_manifest`)."""
+        doc: dict[str, Any] = {
+            "format": FORMAT,
+            "version": self.version,
+            "vocab_size": self.vocab_size,
+            "special_tokens": {
+                "bos": self.bos_token_id,
+                "eos": list(self.eos_token_ids),
+                "pad": self.pad_token_id,
+            },
+            "tokenizer": {"files": dict(self.tokenizer_files)},
+            "models": {"target": asdict(self.target)},
+            "defaults": asdict(self.defaults),
+            "provenance": self.provenance,
+        }
+        if self.draft is not None:
+            doc["models"]["draft"] = asdict(self.draft)
+        return doc
+
+
+# ----------------------------------------------------------------------------- parsing helpers
+
+
+class _Reader:
+    """Typed access to an untrusted JSON object; errors name the file and the key path."""
+
+    def __init__(self, file: Path, data: Any, where: str = "") -> None:
+        self.file, self.data, self.where = file, data, where
+        if not isinstance(data, dict):
+            self.fail(where or "<root>", "a JSON object", type(data).__name__)
+
+    def fail(self, key: str, expected: str, found: Any) -> None:
+        raise ManifestError(
+            f"{self.file}: key '{key}' must be {expected}, found {found!r}; "
+            "re-export the pair with `specedge export`"
+        )
+
+    def key(self, name: str) -> str:
+        return f"{self.where}.{name}" if self.where else name
+
+    def get(self, name: str, kind: type | tuple[type, ...], *, required: bool = True,
+            default: Any = None) -> Any:
+        if name not in self.data:
+            if required:
+                raise ManifestError(
+                    f"{self.file}: missing key '{self.key(name)}'; re-export the pair with "
+                    "`specedge export`"
+                )
+            return default
+        value = self.data[name]
+        # bool is an int subclass: never accept it where a number is expected.
+        if isinstance(value, bool) and bool not in _as_tuple(kind):
+            self.fail(self.key(name), _kind_name(kind), value)
+        if not isinstance(value, kind):
+            self.fail(self.key(name), _kind_name(kind), value)
+        if isinstance(value, float) and not math.isfinite(value):
+            self.fail(self.key(name), "a finite number", value)
+        return value
+
+    def int_in(self, name: str, lo: int, hi: int, *, required: bool = True,
+               default: int | None = None) -> Any:
+        value = self.get(name, int, required=required, default=default)
+        if value is not None and not lo <= value <= hi:
+            self.fail(self.key(name), f"an integer in [{lo}, {hi}]", value)
+        return value
+
+    def choice(self, name: str, options: tuple[str, ...], *, required: bool = True,
+               default: str | None = None) -> Any:
+        value = self.get(name, str, required=required, default=default)
+        if value is not None and value not in options:
+            self.fail(self.key(name), f"one of {', '.join(options)}", value)
+        return value
+
+    def sub(self, name: str, *, required: bool = True) -> _Reader | None:
+        if name not in self.data and not required:
+            return None
+        return _Reader(self.file, self.get(name, dict), self.key(name))
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {int: "an integer", str: "a string", dict: "an object", list: "a list",
+             float: "a number", bool: "true or false", type(None): "null"}
+    return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
+
+
+def confine(root: Path, relative: str, *, file: Path, key: str) -> Path:
+    """Resolve `relative` under `root`, refusing anything that leaves the folder.
+
+    Raises:
+        ManifestError: for absolute paths, `..` components, or symlinks pointing outside.
+    """
+    rel = Path(relative)
+    if not relative or rel.is_absolute() or ".." in rel.parts or "\\" in relative:
+        raise ManifestError(
+            f"{file}: key '{key}' must be a relative path inside the pair folder, found "
+            f"{relative!r}"
+        )
+    real_root = root.resolve()
+    target = (root / rel).resolve()
+    if real_root != target and real_root not in target.parents:
+        raise ManifestError(
+            f"{file}: key '{key}' points outside the pair folder ({relative!r} resolves to "
+            f"{target}); copy the file into the pair instead of linking it"
+        )
+    return target
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_map(r: _Reader, name: str, root: Path) -> dict[str, str]:
+    raw = r.get(name, dict)
+    if not raw:
+        r.fail(r.key(name), "a non-empty object of path -> sha256", raw)
+    out: dict[str, str] = {}
+    for rel, digest in raw.items():
+        key = f"{r.key(name)}.{rel}"
+        confine(root, rel, file=r.file, key=key)
+        if not isinstance(digest, str) or len(digest) != 64:
+            r.fail(key, "a sha256 hex digest", digest)
+        out[rel] = digest
+    return out
+
+
+def _parse_model(r: _Reader, root: Path) -> ModelSpec:
+    kv_r = r.sub("kv")
+    assert kv_r is not None
+    kv = KVSpec(
+        past_key=kv_r.get("past_key", str),
+        past_value=kv_r.get("past_value", str),
+        present_key=kv_r.get("present_key", str),
+        present_value=kv_r.get("present_value", str),
+        layout=kv_r.choice("layout", ("BHSD",)),
+        dtype=kv_r.choice("dtype", KV_DTYPES),
+    )
+    for key in ("past_key", "past_value", "present_key", "present_value"):
+        if "{i}" not in getattr(kv, key):
+            kv_r.fail(kv_r.key(key), "a name pattern containing '{i}'", getattr(kv, key))
+    path = r.get("path", str)
+    confine(root, path, file=r.file, key=r.key("path"))
+    files = _file_map(r, "files", root)
+    if path not in files:
+        r.fail(r.key("files"), f"an object that lists the model file {path!r}", list(files))
+    return ModelSpec(
+        path=path,
+        files=files,
+        precision=r.choice("precision", PRECISIONS),
+        graph=r.choice("graph", GRAPH_FORMS),
+        num_layers=r.int_in("num_layers", 1, 1024),
+        num_kv_heads=r.int_in("num_kv_heads", 1, 1024),
+        head_dim=r.int_in("head_dim", 1, 4096),
+        max_seq_len=r.int_in("max_seq_len", 2, 1 << 22),
+        vocab_size=r.int_in("vocab_size", 2, 1 << 24),
+        kv=kv,
+        input_ids=r.get("input_ids", str),
+        attention_mask=r.get("attention_mask", str),
+        position_ids=r.get("position_ids", (str, type(None)), required=False),
+        logits=r.get("logits", str),
+        logits_dtype=r.choice("logits_dtype", KV_DTYPES),
+        validation=r.get("validation", dict, required=False, default={}),
+        source=r.get("source", dict, required=False, default={}),
+    )
+
+
+def parse_manifest(root: Path, doc: Any, *, file: Path | None = None) -> PairManifest:
+    """Validate an untrusted manifest document and build a `PairManifest`.
+
+    Raises:
+        ManifestError: naming the file and the key for anything missing, mistyped or unsafe.
+    """
+    file = file or root / MANIFEST_NAME
+    r = _Reader(file, doc)
+    fmt = r.get("format", str)
+    if fmt != FORMAT:
+        r.fail("format", repr(FORMAT), fmt)
+    version = r.get("version", int)
+    if version > FORMAT_VERSION:
+        raise ManifestError(
+            f"{file}: format version {version} is newer than this specedge understands "
+            f"(up to {FORMAT_VERSION}); upgrade specedge (`pip install -U specedge`)"
+        )
+    if version < 1:
+        r.fail("version", f"an integer in [1, {FORMAT_VERSION}]", version)
+    models = r.sub("models")
+    assert models is not None
+    target_r = models.sub("target")
+    assert target_r is not None
+    target = _parse_model(target_r, root)
+    draft_r = models.sub("draft", required=False)
+    draft = _parse_model(draft_r, root) if draft_r is not None else None
+    vocab = r.int_in("vocab_size", 2, 1 << 24)
+    for name, spec in (("target", target), ("draft", draft)):
+        if spec is not None and spec.vocab_size != vocab:
+            raise ManifestError(
+                f"{file}: models.{name}.vocab_size is {spec.vocab_size} but the pair's vocab_size "
+                f"is {vocab}; draft and target must share one vocabulary"
+            )
+    special = r.sub("special_tokens")
+    assert special is not None
+    eos_raw = special.get("eos", list)
+    if not eos_raw or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                              for t in eos_raw):
+        special.fail("special_tokens.eos", f"a non-empty list of token ids < {vocab}", eos_raw)
+    bos = special.get("bos", (int, type(None)), required=False)
+    pad = special.get("pad", (int, type(None)), required=False)
+    for key, value in (("bos", bos), ("pad", pad)):
+        if value is not None and not 0 <= value < vocab:
+            special.fail(f"special_tokens.{key}", f"a token id < {vocab}", value)
+    tok = r.sub("tokenizer")
+    assert tok is not None
+    tokenizer_files = _file_map(tok, "files", root)
+    d = r.sub("defaults", required=False)
+    defaults = Defaults()
+    if d is not None:
+        defaults = Defaults(
+            drafter=d.choice("drafter", DRAFTERS, required=False, default=defaults.drafter),
+            num_draft_tokens=d.int_in("num_draft_tokens", 1, 64, required=False,
+                                      default=defaults.num_draft_tokens),
+            adaptive=d.get("adaptive", bool, required=False, default=defaults.adaptive),
+            target_threads=d.int_in("target_threads", 0, 1024, required=False, default=0),
+            draft_threads=d.int_in("draft_threads", 0, 1024, required=False, default=0),
+        )
+    return PairManifest(
+        root=root,
+        target=target,
+        draft=draft,
+        vocab_size=vocab,
+        bos_token_id=bos,
+        eos_token_ids=tuple(eos_raw),
+        pad_token_id=pad,
+        tokenizer_files=tokenizer_files,
+        defaults=defaults,
+        provenance=r.get("provenance", dict, required=False, default={}),
+        version=version,
+    )
+
+
+def load_manifest(root: Path | str, *, verify_hashes: bool = True) -> PairManifest:
+    """Read and validate `root/specedge.json`, and check the files it lists.
+
+    Args:
+        root: the pair folder.
+        verify_hashes: check the sha256 of every listed file (the default). Skipping is logged.
+
+    Raises:
+        ManifestError: missing folder or manifest, malformed JSON, schema violation, a listed
+            file that is missing or whose hash differs.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise ManifestError(f"{root}: no such pair folder; create one with `specedge export`")
+    file = root / MANIFEST_NAME
+    if not file.is_file():
+        raise ManifestError(f"{file}: missing; {root} is not a specedge pair folder "
+                            "(create one with `specedge export`)")
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{file}: not valid JSON ({exc}); re-export the pair") from None
+    manifest = parse_manifest(root, doc, file=file)
+    listed: dict[str, str] = dict(manifest.tokenizer_files)
+    for spec in (manifest.target, manifest.draft):
+        if spec is not None:
+            listed.update(spec.files)
+    for rel, digest in listed.items():
+        path = root / rel
+        if not path.is_file():
+            raise ManifestError(f"{file}: listed file {rel!r} is missing from {root}; "
+                                "re-export or copy the whole pair folder")
+    if verify_hashes:
+        for rel, digest in listed.items():
+            if sha256_file(root / rel) != digest:
+                raise ManifestError(
+                    f"{root / rel}: sha256 does not match {file}; the file is corrupt or was "
+                    "modified; re-export the pair"
+                )
+    else:
+        log.warning("sha256 check of %s skipped on request", root)
+    return manifest
+
+
+def write_manifest(manifest: PairManifest, folder: Path) -> Path:
+    """Write `manifest` as `folder/specedge.json` (used by the exporter and `tune`)."""
+    out = folder / MANIFEST_NAME
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n",
+                   encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def describe(manifest: PairManifest) -> Mapping[str, Any]:
+    """A short summary for `specedge inspect`."""
+    out: dict[str, Any] = {"folder": str(manifest.root), "vocab_size": manifest.vocab_size}
+    for name, spec in (("target", manifest.target), ("draft", manifest.draft)):
+        if spec is not None:
+            out[name] = {"precision": spec.precision, "graph": spec.graph,
+                         "layers": spec.num_layers, "max_seq_len": spec.max_seq_len,
+                         "validation": spec.validation}
+    out["defaults"] = asdict(manifest.defaults)
+    return out
