@@ -33,10 +33,10 @@ from .errors import InputError, ModelError
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-# Nucleus (top-p) search: first try this many highest-probability candidates per row (cheap
-# argpartition + small sort); fall back to sorting every nonzero token only when the nucleus
-# is not provably inside them.
-_NUCLEUS_CANDIDATES = 1024
+# Nucleus (top-p) search: first try these many highest-probability candidates per row (cheap
+# argpartition + small sort); sort every nonzero token only when the nucleus is not provably
+# inside them (very flat distributions).
+_NUCLEUS_CANDIDATES = (1024, 8192)
 
 __all__ = [
     "SamplingParams",
@@ -155,19 +155,18 @@ def _nucleus_mask(p2: FloatArray, top_p: float) -> npt.NDArray[np.bool_]:
     # Candidates in token-id order: every nonzero token of each row (zero-padded to the same
     # width). A stable argsort of a boolean key is linear and, unlike argpartition, is not slowed
     # down by the many equal zeros that top-k leaves behind.
+    cand: npt.NDArray[np.intp] | None = None  # None: every token, in id order
+    pc = p2
     if nonzero_max < vocab:
         cand = np.argsort(p2 == 0.0, axis=-1, kind="stable")[:, :nonzero_max]
-    else:
-        cand = np.broadcast_to(np.arange(vocab), (rows, vocab))
-    pc = np.take_along_axis(p2, cand, axis=-1)
-    tries = [nonzero_max]
-    if nonzero_max > _NUCLEUS_CANDIDATES:
-        tries.insert(0, _NUCLEUS_CANDIDATES)
+        pc = np.take_along_axis(p2, cand, axis=-1)
+    tries = [m for m in _NUCLEUS_CANDIDATES if m < nonzero_max] + [nonzero_max]
     for m in tries:
         if m < nonzero_max:
             sub = np.argpartition(pc, nonzero_max - m, axis=-1)[:, nonzero_max - m :]
             sub.sort(axis=-1)  # keep token-id order, so the stable sort breaks ties by lower id
-            cand_m, pc_m = np.take_along_axis(cand, sub, axis=-1), np.take_along_axis(pc, sub, -1)
+            cand_m = sub if cand is None else np.take_along_axis(cand, sub, axis=-1)
+            pc_m = np.take_along_axis(pc, sub, axis=-1)
         else:
             cand_m, pc_m = cand, pc
         order = np.argsort(-pc_m, axis=-1, kind="stable")
@@ -182,9 +181,10 @@ def _nucleus_mask(p2: FloatArray, top_p: float) -> npt.NDArray[np.bool_]:
             above = sorted_p[np.arange(rows), last] > sorted_p[:, -1]
             if not (reached.all() and above.all()):
                 continue
+        sorted_ids = order if cand_m is None else np.take_along_axis(cand_m, order, axis=-1)
         keep_sorted = np.arange(m)[None, :] < n_keep[:, None]
         mask = np.zeros((rows, vocab), dtype=bool)
-        np.put_along_axis(mask, np.take_along_axis(cand_m, order, axis=-1), keep_sorted, axis=-1)
+        np.put_along_axis(mask, sorted_ids, keep_sorted, axis=-1)
         return mask
     raise AssertionError("unreachable: the last try covers every nonzero token")
 

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
 from specedge.runtime.errors import InputError, ManifestError
 from specedge.runtime.text import IncrementalDetokenizer, StopStrings, Tokenizer
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -219,12 +218,14 @@ def test_no_chat_template(backend: HFTokenizer, tmp_path: Path) -> None:
 
 def test_template_from_config(backend: HFTokenizer, tmp_path: Path) -> None:
     config = {"eos_token": "</s>", "chat_template": "A{{ messages[0]['content'] }}"}
-    tok = Tokenizer.from_folder(_write_folder(tmp_path / "a", backend, config=config, template=None))
+    pair = _write_folder(tmp_path / "a", backend, config=config, template=None)
+    tok = Tokenizer.from_folder(pair)
     assert tok.render_chat([{"role": "user", "content": "x"}]) == "Ax"
 
     listed = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     config = {"chat_template": listed}
-    tok = Tokenizer.from_folder(_write_folder(tmp_path / "b", backend, config=config, template=None))
+    pair = _write_folder(tmp_path / "b", backend, config=config, template=None)
+    tok = Tokenizer.from_folder(pair)
     assert tok.render_chat([{"role": "user", "content": "x"}]) == "D"
     assert tok.bos_token is None and tok.bos_token_id is None and tok.eos_token_ids == ()
 
@@ -460,9 +461,7 @@ def test_stop_strings_streaming_property(stops: list[str], chunks: list[str]) ->
         return min(hits) if hits else None
 
     def brute_holdback(text: str) -> int:
-        return max(
-            [k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])], default=0
-        )
+        return max([k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
 
     text = ""
     for chunk in chunks:

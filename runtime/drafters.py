@@ -1,0 +1,209 @@
+"""Drafters behind one small interface, and the adaptive draft length.
+
+A drafter proposes up to k tokens continuing the committed sequence, with the distribution each
+was sampled from (None means a deterministic proposal, i.e. one-hot: the rejection rule then
+accepts token d with probability target(d), which keeps sampling exact). After verification the
+loop calls `commit(tokens)` with the new committed sequence so the drafter can roll back.
+
+- `ModelDrafter`: the draft model with its own in-place KV cache (Leviathan et al. 2023).
+- `NgramDrafter`: model-free prompt lookup (Saxena 2023, "Prompt Lookup Decoding"): find the
+  latest earlier occurrence of the trailing n-gram and propose what followed it.
+- `HybridDrafter`: the n-gram proposal when it hits, the draft model otherwise.
+- `AdaptiveK`: chooses k each round from the measured per-position acceptance and the measured
+  costs of a draft step and of verifying k+1 positions (the expected-speed-up formula of
+  Leviathan et al., with measured verify cost), and falls back to k=0 (target only) when no k
+  is predicted to beat it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .backend import KVCache, OrtModel
+from .sampling import SamplingParams, sample_token, warp_probs
+
+
+@dataclass
+class Proposal:
+    """Draft tokens `[n]` (n <= k) and the distributions they were drawn from `[n, vocab]`."""
+
+    tokens: np.ndarray
+    probs: np.ndarray | None  # None: deterministic (one-hot) proposals
+    seconds: float = 0.0  # time inside the draft model's run calls
+    calls: int = 0
+
+
+class Drafter(Protocol):
+    """What the speculative loop needs from a drafter."""
+
+    def propose(self, tokens: list[int], k: int, params: SamplingParams,
+                rng: np.random.Generator) -> Proposal: ...
+
+    def commit(self, tokens: list[int]) -> None: ...
+
+
+class ModelDrafter:
+    """Drafts with a small model and its own KV cache.
+
+    Invariant after `commit(tokens)`: the cache holds a prefix of `tokens` of length at most
+    `len(tokens) - 1`; `propose` feeds the missing tail (catch-up) then one token per step.
+    """
+
+    def __init__(self, model: OrtModel, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+        self.fed: list[int] = []  # the tokens whose keys/values are in the cache
+
+    def propose(self, tokens: list[int], k: int, params: SamplingParams,
+                rng: np.random.Generator) -> Proposal:
+        if k <= 0:
+            return Proposal(np.zeros(0, np.int64), None)
+        pending = tokens[len(self.fed):]
+        drafts: list[int] = []
+        probs: list[np.ndarray] = []
+        seconds = 0.0
+        for _ in range(k):
+            t0 = time.perf_counter()
+            logits = self.model.forward(self.cache, np.asarray([pending], np.int64))[0, -1]
+            seconds += time.perf_counter() - t0
+            self.fed.extend(pending)
+            if params.greedy:
+                token = int(np.argmax(logits))
+            else:
+                p = warp_probs(logits, params)
+                token = sample_token(p, rng)
+                probs.append(p)
+            drafts.append(token)
+            pending = [token]
+        return Proposal(np.asarray(drafts, np.int64),
+                        None if params.greedy else np.stack(probs), seconds, k)
+
+    def commit(self, tokens: list[int]) -> None:
+        keep = min(len(self.fed), len(tokens) - 1)
+        n = 0
+        while n < keep and self.fed[n] == tokens[n]:
+            n += 1
+        del self.fed[n:]
+        self.cache.rollback(n)
+
+
+class NgramDrafter:
+    """Prompt lookup: continue the latest earlier match of the trailing n-gram."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        arr = np.asarray(tokens, np.int64)
+        n_tok = len(arr)
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            tail = arr[n_tok - n:]
+            # windows[i] == arr[i:i+n]; search matches that end before the tail itself.
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: n_tok - 1], n)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return [int(t) for t in arr[start:start + k]]
+        return []
+
+    def propose(self, tokens: list[int], k: int, params: SamplingParams,
+                rng: np.random.Generator) -> Proposal:
+        found = self.lookup(tokens, k) if k > 0 else []
+        return Proposal(np.asarray(found, np.int64), None)
+
+    def commit(self, tokens: list[int]) -> None:
+        return None
+
+
+class HybridDrafter:
+    """N-gram lookup when it proposes at least `min_hit` tokens, the draft model otherwise."""
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_hit: int = 2) -> None:
+        self.model, self.ngram, self.min_hit = model, ngram, min_hit
+
+    def propose(self, tokens: list[int], k: int, params: SamplingParams,
+                rng: np.random.Generator) -> Proposal:
+        hit = self.ngram.propose(tokens, k, params, rng)
+        if len(hit.tokens) >= min(self.min_hit, k):
+            return hit
+        return self.model.propose(tokens, k, params, rng)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.model.commit(tokens)
+
+
+class AdaptiveK:
+    """Pick the draft length that maximizes predicted tokens per second, from measurements.
+
+    Model: with per-position acceptance a, k drafts emit E(k) = (1 - a^(k+1)) / (1 - a) tokens
+    per round and cost k * draft_step + verify(k+1). k=0 is plain target decoding, cost
+    verify(1). Acceptance is an exponential moving average of accepted/proposed per position;
+    verify(s) is a per-s moving average, with unmeasured s interpolated linearly. Each candidate
+    k is tried a few times before it is trusted, so a bad start cannot lock the choice.
+    """
+
+    def __init__(self, k_max: int, *, k_start: int = 3, decay: float = 0.9,
+                 probe_every: int = 16) -> None:
+        self.k_max = k_max
+        self.k = min(k_start, k_max)
+        self.decay = decay
+        self.alpha = 0.7  # prior per-position acceptance
+        self.draft_step: float | None = None
+        self.verify: dict[int, float] = {}
+        self.rounds = 0
+        self.probe_every = probe_every
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def update(self, k: int, accepted: int, draft_s: float, draft_calls: int,
+               verify_s: float) -> None:
+        """Record one round: k proposed, `accepted` of them accepted, and its costs."""
+        self.rounds += 1
+        if k > 0:
+            # Per-position acceptance: accepted positions succeed, the first rejection fails.
+            trials = accepted + (1 if accepted < k else 0)
+            for i in range(trials):
+                self.alpha = self._ema(self.alpha, 1.0 if i < accepted else 0.0)
+            if draft_calls:
+                self.draft_step = self._ema(self.draft_step, draft_s / draft_calls)
+        self.verify[k + 1] = self._ema(self.verify.get(k + 1), verify_s)
+        self.k = self.choose()
+
+    def verify_cost(self, s: int) -> float | None:
+        if s in self.verify:
+            return self.verify[s]
+        known = sorted(self.verify)
+        if not known:
+            return None
+        if len(known) == 1:
+            return self.verify[known[0]]
+        lo = max((x for x in known if x < s), default=known[0])
+        hi = min((x for x in known if x > s), default=known[-1])
+        if lo == hi:
+            lo, hi = known[-2], known[-1]
+        slope = (self.verify[hi] - self.verify[lo]) / (hi - lo)
+        return max(self.verify[lo] + slope * (s - lo), 1e-9)
+
+    def expected_rate(self, k: int) -> float | None:
+        """Predicted tokens per second at draft length k."""
+        verify = self.verify_cost(k + 1)
+        if verify is None or (k > 0 and self.draft_step is None):
+            return None
+        a = min(self.alpha, 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (k * (self.draft_step or 0.0) + verify)
+
+    def choose(self) -> int:
+        # Probe: every `probe_every` rounds try a neighbour so the costs stay measured.
+        if self.rounds % self.probe_every == 0:
+            return max(0, min(self.k_max, self.k + (1 if (self.rounds // self.probe_every) % 2
+                                                     else -1)))
+        rates = {k: self.expected_rate(k) for k in range(0, self.k_max + 1)}
+        measured = {k: r for k, r in rates.items() if r is not None}
+        if not measured:
+            return self.k
+        return max(measured, key=lambda k: measured[k])

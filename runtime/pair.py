@@ -1,0 +1,308 @@
+"""The Python API: load a pair folder once, generate from many threads.
+
+    pair = Pair.load("pairs/smollm2-135m")
+    result = pair.generate("Write a haiku about the sea.", GenerationConfig(max_new_tokens=64))
+    print(result.text, result.stats.tokens_per_s)
+    for delta in pair.stream([{"role": "user", "content": "Hi"}]):
+        print(delta, end="")
+
+Thread-safety contract: a loaded `Pair` (its ONNX Runtime sessions, tokenizer and manifest) is
+shared and read-only; every `generate`/`stream` call allocates its own KV caches, random
+generator and statistics, so several threads may generate at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .backend import OrtModel, SessionConfig, physical_cores
+from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from .errors import InputError
+from .manifest import PairManifest, load_manifest
+from .sampling import SamplingParams
+from .speculative import LoopConfig, decode
+from .stats import GenerationStats
+from .text import IncrementalDetokenizer, StopStrings, Tokenizer
+
+Prompt = str | Sequence[Mapping[str, str]]
+DRAFTER_CHOICES = ("model", "ngram", "hybrid", "none")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate.
+
+    Attributes:
+        max_new_tokens: upper bound on generated tokens (1..1_000_000).
+        sampling: temperature / top-k / top-p / min-p / seed (temperature 0 = greedy).
+        num_draft_tokens: k; None takes the pair's default (from export or `specedge tune`).
+        drafter: "model", "ngram", "hybrid" or "none" (target only); None = pair default.
+        adaptive: adapt k to measured acceptance and costs; None = pair default.
+        stop: stop strings (may span tokens); the text is cut before the stop string.
+        chat: render a str prompt through the chat template as one user message.
+    """
+
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_draft_tokens: int | None = None
+    drafter: str | None = None
+    adaptive: bool | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or \
+                not 1 <= self.max_new_tokens <= 1_000_000:
+            raise InputError(f"max_new_tokens must be an integer in [1, 1000000], got "
+                             f"{self.max_new_tokens!r}")
+        k = self.num_draft_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64):
+            raise InputError(f"num_draft_tokens must be an integer in [1, 64], got {k!r}")
+        if self.drafter is not None and self.drafter not in DRAFTER_CHOICES:
+            raise InputError(f"drafter must be one of {', '.join(DRAFTER_CHOICES)}, got "
+                             f"{self.drafter!r}")
+        StopStrings(list(self.stop))  # validates
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The outcome of one generation."""
+
+    text: str
+    tokens: list[int]  # generated token ids (after the prompt)
+    prompt_tokens: list[int]
+    stop_reason: str  # "eos" | "max_new_tokens" | "context" | "stop"
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """Per-model ONNX Runtime thread settings (see `plan_threads`)."""
+
+    target: SessionConfig
+    draft: SessionConfig
+
+
+def plan_threads(target_provider: str = "cpu", draft_provider: str = "cpu",
+                 target_threads: int = 0, draft_threads: int = 0,
+                 cores: int | None = None) -> ThreadPlan:
+    """Thread settings that keep two models from fighting over the same cores.
+
+    The draft and the target run one after the other, never together, so each may use every
+    core, but only if neither spins: a spinning idle session burns the cores the busy one needs
+    (two spinning 2-thread sessions on 2 cores made speculative decoding slower than target
+    only). So on CPU both sessions use all cores with spinning off. A model on a GPU gets one
+    host thread.
+    """
+    cores = cores or physical_cores()
+
+    def one(provider: str, threads: int) -> SessionConfig:
+        if provider != "cpu":
+            return SessionConfig(provider=provider, intra_op_threads=threads or 1)
+        return SessionConfig(provider="cpu", intra_op_threads=threads or cores,
+                             allow_spinning=False)
+
+    return ThreadPlan(one(target_provider, target_threads), one(draft_provider, draft_threads))
+
+
+class Pair:
+    """A loaded pair folder: target (+ draft) sessions, tokenizer and manifest."""
+
+    def __init__(self, manifest: PairManifest, tokenizer: Tokenizer, target: OrtModel,
+                 draft: OrtModel | None) -> None:
+        self.manifest, self.tokenizer, self.target, self.draft = (manifest, tokenizer, target,
+                                                                  draft)
+
+    @classmethod
+    def load(cls, path: str | Path, *, providers: str | Sequence[str] = "cpu",
+             plan: ThreadPlan | None = None, verify_hashes: bool = True,
+             load_draft: bool = True) -> Pair:
+        """Load a pair folder written by `specedge export`.
+
+        Args:
+            path: the pair folder.
+            providers: one provider for both models ("cpu", "cuda", "tensorrt") or a pair
+                (target, draft), e.g. ("cuda", "cpu").
+            plan: explicit thread settings; default `plan_threads(...)` for the providers.
+            verify_hashes: check every file's sha256 (default); skipping is logged.
+            load_draft: False loads only the target (target-only or n-gram decoding).
+
+        Raises:
+            ManifestError: missing, malformed, tampered or unsafe pair folder.
+            ModelError: a model file that ONNX Runtime cannot load.
+            InputError: an unknown or unavailable provider.
+        """
+        manifest = load_manifest(path, verify_hashes=verify_hashes)
+        if isinstance(providers, str):
+            target_p = draft_p = providers
+        else:
+            if len(providers) != 2:
+                raise InputError("providers must be one name or (target, draft)")
+            target_p, draft_p = providers
+        d = manifest.defaults
+        plan = plan or plan_threads(target_p, draft_p, d.target_threads, d.draft_threads)
+        tokenizer = Tokenizer.from_folder(manifest.root, bos_token_id=manifest.bos_token_id,
+                                          eos_token_ids=manifest.eos_token_ids)
+        if tokenizer.vocab_size > manifest.vocab_size:
+            raise InputError(
+                f"{manifest.root / 'tokenizer.json'}: the tokenizer has {tokenizer.vocab_size} "
+                f"tokens but the models only {manifest.vocab_size}; re-export the pair"
+            )
+        target = OrtModel(manifest.root, manifest.target, "target", plan.target)
+        draft = None
+        if manifest.draft is not None and load_draft:
+            draft = OrtModel(manifest.root, manifest.draft, "draft", plan.draft)
+        return cls(manifest, tokenizer, target, draft)
+
+    # ------------------------------------------------------------------ prompts
+
+    def encode_prompt(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
+        """Token ids of a plain prompt, or of chat messages rendered by the chat template."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InputError("the prompt is empty; pass some text")
+            if chat:
+                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = self.tokenizer.encode_chat(prompt)
+        if not ids:
+            raise InputError("the prompt encodes to no tokens; pass some text")
+        return ids
+
+    def check_ids(self, ids: Sequence[int]) -> list[int]:
+        vocab = self.manifest.vocab_size
+        out = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
+                raise InputError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+            out.append(int(t))
+        if not out:
+            raise InputError("the prompt has no tokens")
+        return out
+
+    # ------------------------------------------------------------------ generation
+
+    def _drafter(self, name: str, max_len: int) -> Drafter | None:
+        if name == "none":
+            return None
+        if name == "ngram":
+            return NgramDrafter()
+        if self.draft is None:
+            raise InputError(
+                f"drafter {name!r} needs a draft model but {self.manifest.root} has none; use "
+                "--drafter ngram or export a pair with --draft-precision"
+            )
+        model = ModelDrafter(self.draft, self.draft.new_cache(1, max_len))
+        return model if name == "model" else HybridDrafter(model, NgramDrafter())
+
+    def stream_tokens(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
+                      stats: GenerationStats | None = None) -> Iterator[list[int]]:
+        """Yield the token ids committed by each round (the lowest-level API)."""
+        config = config or GenerationConfig()
+        ids = self.check_ids(prompt_ids)
+        d = self.manifest.defaults
+        drafter_name = config.drafter or (d.drafter if self.draft or d.drafter == "ngram"
+                                          else "ngram")
+        k = config.num_draft_tokens or d.num_draft_tokens
+        limit = min(self.manifest.target.max_seq_len,
+                    self.manifest.draft.max_seq_len if self.manifest.draft else 1 << 30)
+        if len(ids) >= limit:
+            raise InputError(f"the prompt has {len(ids)} tokens but the context is {limit}; "
+                             "shorten it")
+        max_len = min(limit, len(ids) + config.max_new_tokens + k + 1)
+        stats = stats if stats is not None else GenerationStats()
+        stats.prompt_tokens = len(ids)
+        drafter = self._drafter(drafter_name, max_len)
+        loop = LoopConfig(max_new_tokens=config.max_new_tokens, num_draft_tokens=k,
+                          adaptive=d.adaptive if config.adaptive is None else config.adaptive,
+                          eos_token_ids=self.manifest.eos_token_ids)
+        cache = self.target.new_cache(1, max_len)
+        rng = config.sampling.make_rng()
+        return decode(self.target, cache, drafter, ids, loop, config.sampling, rng, stats)
+
+    def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
+               stats: GenerationStats | None = None) -> Iterator[str]:
+        """Yield text deltas as they are generated (multi-byte safe, stop strings honoured)."""
+        result = yield from self._stream(prompt, config, stats)
+        return result
+
+    def _stream(self, prompt: Prompt, config: GenerationConfig | None,
+                stats: GenerationStats | None) -> Iterator[str]:
+        import time
+
+        config = config or GenerationConfig()
+        start = time.perf_counter()
+        stats = stats if stats is not None else GenerationStats()
+        ids = self.encode_prompt(prompt, chat=config.chat)
+        stops = StopStrings(list(config.stop))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
+        gen = self.stream_tokens(ids, config, stats)
+        tokens: list[int] = []
+        text, emitted = "", 0
+        reason = "max_new_tokens"
+        try:
+            while True:
+                try:
+                    chunk = next(gen)
+                except StopIteration as done:
+                    reason = done.value or reason
+                    break
+                tokens.extend(chunk)
+                text += detok.push_many([t for t in chunk
+                                         if t not in self.manifest.eos_token_ids])
+                if stops:
+                    cut = stops.find(text, emitted)
+                    if cut is not None:
+                        text = text[:cut]
+                        reason = "stop"
+                        gen.close()
+                        break
+                    safe = len(text) - stops.holdback(text)
+                else:
+                    safe = len(text)
+                if safe > emitted:
+                    yield text[emitted:safe]
+                    emitted = safe
+            if reason != "stop":
+                text += detok.flush()
+                if stops and (cut := stops.find(text, emitted)) is not None:
+                    text, reason = text[:cut], "stop"
+            if len(text) > emitted:
+                yield text[emitted:]
+        finally:
+            stats.total_s = time.perf_counter() - start
+        return GenerationResult(text=text, tokens=tokens, prompt_tokens=ids, stop_reason=reason,
+                                stats=stats)
+
+    def generate(self, prompt: Prompt, config: GenerationConfig | None = None) -> GenerationResult:
+        """Generate a completion for a prompt (str) or chat messages (list of dicts)."""
+        gen = self._stream(prompt, config, GenerationStats())
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                result: GenerationResult = done.value
+                return result
+
+    def generate_ids(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None
+                     ) -> tuple[list[int], str, GenerationStats]:
+        """Token-level generation (no detokenization): (new ids, stop reason, stats)."""
+        stats = GenerationStats()
+        gen = self.stream_tokens(prompt_ids, config, stats)
+        out: list[int] = []
+        while True:
+            try:
+                out.extend(next(gen))
+            except StopIteration as done:
+                return out, str(done.value), stats
+
+    def info(self) -> dict[str, Any]:
+        from .manifest import describe
+
+        return dict(describe(self.manifest))

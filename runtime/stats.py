@@ -1,0 +1,61 @@
+"""Statistics of one generation, returned as a dataclass (never printed by the library)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one generation.
+
+    Times are seconds of wall clock. `draft_s` and `verify_s` are spent inside the draft's and the
+    target's `run` calls during decoding; `host_s` is everything else in the decode rounds
+    (sampling, acceptance, bookkeeping, detokenization).
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    draft_calls: int = 0
+    target_calls: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    draft_lengths: list[int] = field(default_factory=list)  # K used in each round
+    accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted in each round
+
+    @property
+    def host_s(self) -> float:
+        return max(0.0, self.decode_s - self.draft_s - self.verify_s)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / proposed drafts."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per round (accepted drafts + the corrected or bonus token)."""
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of decoding (prefill excluded)."""
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def end_to_end_tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for name in ("host_s", "acceptance_rate", "mean_accepted_length", "tokens_per_s",
+                     "end_to_end_tokens_per_s"):
+            out[name] = getattr(self, name)
+        return out
