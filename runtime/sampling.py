@@ -161,6 +161,7 @@ def _nucleus_mask(p2: FloatArray, top_p: float) -> npt.NDArray[np.bool_]:
         cand = np.argsort(p2 == 0.0, axis=-1, kind="stable")[:, :nonzero_max]
         pc = np.take_along_axis(p2, cand, axis=-1)
     tries = [m for m in _NUCLEUS_CANDIDATES if m < nonzero_max] + [nonzero_max]
+    cand_m: npt.NDArray[np.intp] | None
     for m in tries:
         if m < nonzero_max:
             sub = np.argpartition(pc, nonzero_max - m, axis=-1)[:, nonzero_max - m :]

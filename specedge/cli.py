@@ -1,0 +1,280 @@
+"""The `specedge` command line: a thin click group over the library functions.
+
+Each command parses its options into a frozen dataclass, calls one library function, and prints
+with rich. Package errors (and Ctrl-C) become one clean line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from specedge.runtime.errors import SpecEdgeError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def clean_errors(fn: F) -> F:
+    """Turn package errors into one line on stderr and exit code 1 (2 for usage)."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SpecEdgeError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        except OSError as exc:
+            click.echo(f"error: {exc.filename or ''}: {exc.strerror or exc}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group()
+@click.version_option(package_name="specedge")
+def main() -> None:
+    """specedge: speculative decoding for edge devices (export, generate, bench)."""
+
+
+@main.command()
+@click.argument("target")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="Pair folder to create.")
+@click.option("--draft", default=None, help="Draft source (HF folder, hub id or .gguf); "
+              "default: a self-draft of the target when --draft-precision is given.")
+@click.option("--precision", default="fp32", show_default=True,
+              type=click.Choice(["fp32", "fp16", "int8", "int4"]), help="Target precision.")
+@click.option("--draft-precision", default=None,
+              type=click.Choice(["fp32", "fp16", "int8", "int4"]), help="Draft precision.")
+@click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+              help="Execution provider the graphs are built for.")
+@click.option("--num-draft-tokens", default=3, show_default=True, type=int,
+              help="Default draft length written to the manifest.")
+@click.option("--no-validate", is_flag=True, help="Skip the comparison with torch.")
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@clean_errors
+def export(target: str, output: Path, draft: str | None, precision: str,
+           draft_precision: str | None, provider: str, num_draft_tokens: int,
+           no_validate: bool, force: bool) -> None:
+    """Export TARGET (HF folder, hub id or .gguf) and a draft into a validated pair folder."""
+    from rich.console import Console
+
+    from specedge.exporter.pair import ExportOptions, export_pair
+
+    opts = ExportOptions(target=target, output=output, draft=draft, precision=precision,
+                         draft_precision=draft_precision, provider=provider,
+                         num_draft_tokens=num_draft_tokens, force=force,
+                         validate=not no_validate)
+    console = Console(stderr=True)
+    with console.status("exporting") as status:
+        report = export_pair(opts, progress=lambda msg: status.update(msg))
+    _print_export(report)
+
+
+def _print_export(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pair written to {report.folder}")
+    for col in ("model", "precision", "graph", "step max|Δ|", "step top-1", "step KL",
+                "prefill max|Δ|", "passed"):
+        table.add_column(col)
+    for name, spec in (("target", report.manifest.target), ("draft", report.manifest.draft)):
+        if spec is None:
+            continue
+        v = spec.validation
+        step, pre = v.get("step_with_past", {}), v.get("prefill", {})
+        table.add_row(name, spec.precision, spec.graph,
+                      f"{step.get('max_abs_diff', float('nan')):.2e}",
+                      f"{step.get('top1_agreement', float('nan')):.1%}",
+                      f"{step.get('kl_mean', float('nan')):.2e}",
+                      f"{pre.get('max_abs_diff', float('nan')):.2e}",
+                      str(v.get("passed", "not validated")))
+    Console().print(table)
+    click.echo(f"export took {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MiB")
+
+
+def _generation_config(max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                       min_p: float, seed: int | None, num_draft_tokens: int | None,
+                       drafter: str | None, no_speculation: bool, adaptive: bool | None,
+                       stop: tuple[str, ...], chat: bool) -> Any:
+    from specedge.runtime.pair import GenerationConfig
+    from specedge.runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              seed=seed)
+    return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling,
+                            num_draft_tokens=num_draft_tokens,
+                            drafter="none" if no_speculation else drafter,
+                            adaptive=adaptive, stop=stop, chat=chat)
+
+
+def generation_options(fn: F) -> F:
+    """Options shared by `generate` and `chat`."""
+    options = [
+        click.option("--max-new-tokens", default=128, show_default=True, type=int),
+        click.option("--temperature", default=0.0, show_default=True, type=float,
+                     help="0 = greedy."),
+        click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
+        click.option("--top-p", default=1.0, show_default=True, type=float),
+        click.option("--min-p", default=0.0, show_default=True, type=float),
+        click.option("--seed", default=None, type=int, help="Seed of the sampler."),
+        click.option("--num-draft-tokens", "-k", default=None, type=int,
+                     help="Draft length K (default: the pair's)."),
+        click.option("--drafter", default=None,
+                     type=click.Choice(["model", "ngram", "hybrid", "none"])),
+        click.option("--no-speculation", is_flag=True, help="Target-only decoding."),
+        click.option("--adaptive/--fixed-k", default=None,
+                     help="Adapt K to measured acceptance and cost (default: the pair's)."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--providers", default="cpu", show_default=True,
+                     help="Execution provider, or TARGET,DRAFT (e.g. cuda,cpu)."),
+        click.option("--threads", default=None, help="Intra-op threads, or TARGET,DRAFT."),
+        click.option("--no-verify", is_flag=True,
+                     help="Skip the sha256 check of the model files (logged)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _load_pair(pair: Path, providers: str, threads: str | None, no_verify: bool) -> Any:
+    from specedge.runtime.errors import InputError
+    from specedge.runtime.pair import Pair, plan_threads
+
+    prov = [p.strip() for p in providers.split(",")]
+    if len(prov) not in (1, 2):
+        raise InputError(f"--providers {providers!r}: give one provider or TARGET,DRAFT")
+    target_p, draft_p = (prov[0], prov[0]) if len(prov) == 1 else (prov[0], prov[1])
+    plan = None
+    if threads:
+        try:
+            nums = [int(t) for t in threads.split(",")]
+        except ValueError:
+            raise InputError(f"--threads {threads!r}: give N or TARGET,DRAFT") from None
+        if len(nums) not in (1, 2) or min(nums) < 0:
+            raise InputError(f"--threads {threads!r}: give N or TARGET,DRAFT (>= 0)")
+        plan = plan_threads(target_p, draft_p, nums[0], nums[-1])
+    return Pair.load(pair, providers=(target_p, draft_p), plan=plan, verify_hashes=not no_verify)
+
+
+def _print_stats(result: Any, as_json: bool) -> None:
+    s = result.stats
+    if as_json:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="statistics", show_header=False)
+    rows = [
+        ("stop reason", result.stop_reason),
+        ("prompt / new tokens", f"{s.prompt_tokens} / {s.new_tokens}"),
+        ("rounds", str(s.rounds)),
+        ("proposed / accepted drafts", f"{s.proposed} / {s.accepted}"),
+        ("acceptance rate", f"{s.acceptance_rate:.1%}"),
+        ("mean tokens per round", f"{s.mean_accepted_length:.2f}"),
+        ("draft / target calls", f"{s.draft_calls} / {s.target_calls}"),
+        ("prefill / draft / verify / host (s)",
+         f"{s.prefill_s:.3f} / {s.draft_s:.3f} / {s.verify_s:.3f} / {s.host_s:.3f}"),
+        ("decode tokens/s", f"{s.tokens_per_s:.1f}"),
+        ("end-to-end tokens/s", f"{s.end_to_end_tokens_per_s:.1f}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console(stderr=True).print(table)
+
+
+@main.command()
+@click.argument("pair", type=click.Path(path_type=Path))
+@click.argument("prompt")
+@generation_options
+@click.option("--chat", is_flag=True, help="Wrap PROMPT in the chat template as a user turn.")
+@click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text + stats).")
+@clean_errors
+def generate(pair: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
+             top_p: float, min_p: float, seed: int | None, num_draft_tokens: int | None,
+             drafter: str | None, no_speculation: bool, adaptive: bool | None,
+             stop: tuple[str, ...], providers: str, threads: str | None, no_verify: bool,
+             chat: bool, show_stats: bool, as_json: bool) -> None:
+    """Generate a completion of PROMPT with the pair in folder PAIR."""
+    config = _generation_config(max_new_tokens, temperature, top_k, top_p, min_p, seed,
+                                num_draft_tokens, drafter, no_speculation, adaptive, stop, chat)
+    loaded = _load_pair(pair, providers, threads, no_verify)
+    if as_json:
+        result = loaded.generate(prompt, config)
+        click.echo(json.dumps({"text": result.text, "tokens": result.tokens,
+                               "stop_reason": result.stop_reason,
+                               "stats": result.stats.to_dict()}))
+        return
+    gen = loaded.stream(prompt, config)
+    while True:
+        try:
+            click.echo(next(gen), nl=False)
+        except StopIteration as done:
+            result = done.value
+            break
+    click.echo()
+    if show_stats:
+        _print_stats(result, False)
+
+
+@main.command()
+@click.argument("pair", type=click.Path(path_type=Path))
+@generation_options
+@click.option("--system", default=None, help="System message.")
+@click.option("--stats", "show_stats", is_flag=True, help="Print statistics after each reply.")
+@clean_errors
+def chat(pair: Path, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+         min_p: float, seed: int | None, num_draft_tokens: int | None, drafter: str | None,
+         no_speculation: bool, adaptive: bool | None, stop: tuple[str, ...], providers: str,
+         threads: str | None, no_verify: bool, system: str | None, show_stats: bool) -> None:
+    """Chat with the pair in folder PAIR (empty line or Ctrl-D to quit)."""
+    config = _generation_config(max_new_tokens, temperature, top_k, top_p, min_p, seed,
+                                num_draft_tokens, drafter, no_speculation, adaptive, stop, False)
+    loaded = _load_pair(pair, providers, threads, no_verify)
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        gen = loaded.stream(messages, config)
+        while True:
+            try:
+                click.echo(next(gen), nl=False)
+            except StopIteration as done:
+                result = done.value
+                break
+        click.echo()
+        messages.append({"role": "assistant", "content": result.text})
+        if show_stats:
+            _print_stats(result, False)
+
+
+@main.command()
+@click.argument("pair", type=click.Path(path_type=Path))
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check.")
+@clean_errors
+def inspect(pair: Path, no_verify: bool) -> None:
+    """Validate the pair folder PAIR and print its manifest summary as JSON."""
+    from specedge.runtime.manifest import describe, load_manifest
+
+    click.echo(json.dumps(describe(load_manifest(pair, verify_hashes=not no_verify)), indent=2))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
