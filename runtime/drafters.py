@@ -35,6 +35,8 @@ class Proposal:
     probs: np.ndarray | None  # None: deterministic (one-hot) proposals
     seconds: float = 0.0  # time inside the draft model's run calls
     calls: int = 0
+    step_seconds: float = 0.0  # the part spent on single-token steps (what adaptive k models)
+    step_calls: int = 0
 
 
 class Drafter(Protocol):
@@ -44,6 +46,8 @@ class Drafter(Protocol):
                 rng: np.random.Generator) -> Proposal: ...
 
     def commit(self, tokens: list[int]) -> None: ...
+
+    def prefill(self, tokens: list[int]) -> None: ...
 
 
 class ModelDrafter:
@@ -64,11 +68,16 @@ class ModelDrafter:
         pending = tokens[len(self.fed):]
         drafts: list[int] = []
         probs: list[np.ndarray] = []
-        seconds = 0.0
+        seconds = step_seconds = 0.0
+        step_calls = 0
         for _ in range(k):
             t0 = time.perf_counter()
             logits = self.model.forward(self.cache, np.asarray([pending], np.int64))[0, -1]
-            seconds += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            seconds += spent
+            if len(pending) == 1:
+                step_seconds += spent
+                step_calls += 1
             self.fed.extend(pending)
             if params.greedy:
                 token = int(np.argmax(logits))
@@ -79,7 +88,14 @@ class ModelDrafter:
             drafts.append(token)
             pending = [token]
         return Proposal(np.asarray(drafts, np.int64),
-                        None if params.greedy else np.stack(probs), seconds, k)
+                        None if params.greedy else np.stack(probs), seconds, k, step_seconds,
+                        step_calls)
+
+    def prefill(self, tokens: list[int]) -> None:
+        """Feed all but the last committed token, so the first round drafts at once."""
+        if len(tokens) > 1 and not self.fed:
+            self.model.forward(self.cache, np.asarray([tokens[:-1]], np.int64))
+            self.fed = list(tokens[:-1])
 
     def commit(self, tokens: list[int]) -> None:
         keep = min(len(self.fed), len(tokens) - 1)
@@ -117,6 +133,9 @@ class NgramDrafter:
     def commit(self, tokens: list[int]) -> None:
         return None
 
+    def prefill(self, tokens: list[int]) -> None:
+        return None
+
 
 class HybridDrafter:
     """N-gram lookup when it proposes at least `min_hit` tokens, the draft model otherwise."""
@@ -134,23 +153,28 @@ class HybridDrafter:
     def commit(self, tokens: list[int]) -> None:
         self.model.commit(tokens)
 
+    def prefill(self, tokens: list[int]) -> None:
+        self.model.prefill(tokens)
+
 
 class AdaptiveK:
     """Pick the draft length that maximizes predicted tokens per second, from measurements.
 
-    Model: with per-position acceptance a, k drafts emit E(k) = (1 - a^(k+1)) / (1 - a) tokens
-    per round and cost k * draft_step + verify(k+1). k=0 is plain target decoding, cost
-    verify(1). Acceptance is an exponential moving average of accepted/proposed per position;
-    verify(s) is a per-s moving average, with unmeasured s interpolated linearly. Each candidate
-    k is tried a few times before it is trusted, so a bad start cannot lock the choice.
+    Model: position i of a round is reached only if drafts 1..i-1 were accepted; `accept[i]` is
+    a moving average of "accepted, given reached" at position i (acceptance is not independent
+    across positions, so one global rate mispredicts). k drafts then emit
+    E(k) = 1 + sum_{j<=k} prod_{i<=j} accept[i] tokens per round, at a cost of
+    k * draft_step + verify(k + 1). k = 0 is plain target decoding, cost verify(1). verify(s) is a
+    per-s moving average; unmeasured s are interpolated linearly. Every `probe_every` rounds a
+    neighbouring k is tried so that the costs and acceptances it relies on stay measured.
     """
 
-    def __init__(self, k_max: int, *, k_start: int = 3, decay: float = 0.9,
+    def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
                  probe_every: int = 16) -> None:
         self.k_max = k_max
         self.k = min(k_start, k_max)
         self.decay = decay
-        self.alpha = 0.7  # prior per-position acceptance
+        self.accept = [0.7] * (k_max + 1)  # prior; index i = draft position (1-based)
         self.draft_step: float | None = None
         self.verify: dict[int, float] = {}
         self.rounds = 0
@@ -159,17 +183,14 @@ class AdaptiveK:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def update(self, k: int, accepted: int, draft_s: float, draft_calls: int,
+    def update(self, k: int, accepted: int, draft_step_s: float, draft_step_calls: int,
                verify_s: float) -> None:
         """Record one round: k proposed, `accepted` of them accepted, and its costs."""
         self.rounds += 1
-        if k > 0:
-            # Per-position acceptance: accepted positions succeed, the first rejection fails.
-            trials = accepted + (1 if accepted < k else 0)
-            for i in range(trials):
-                self.alpha = self._ema(self.alpha, 1.0 if i < accepted else 0.0)
-            if draft_calls:
-                self.draft_step = self._ema(self.draft_step, draft_s / draft_calls)
+        for i in range(1, min(k, accepted + 1) + 1):
+            self.accept[i] = self._ema(self.accept[i], 1.0 if i <= accepted else 0.0)
+        if draft_step_calls:
+            self.draft_step = self._ema(self.draft_step, draft_step_s / draft_step_calls)
         self.verify[k + 1] = self._ema(self.verify.get(k + 1), verify_s)
         self.k = self.choose()
 
@@ -184,26 +205,30 @@ class AdaptiveK:
         lo = max((x for x in known if x < s), default=known[0])
         hi = min((x for x in known if x > s), default=known[-1])
         if lo == hi:
-            lo, hi = known[-2], known[-1]
-        slope = (self.verify[hi] - self.verify[lo]) / (hi - lo)
+            lo, hi = (known[0], known[1]) if s < known[0] else (known[-2], known[-1])
+        slope = max(0.0, (self.verify[hi] - self.verify[lo]) / (hi - lo))
         return max(self.verify[lo] + slope * (s - lo), 1e-9)
+
+    def expected_tokens(self, k: int) -> float:
+        total, reach = 1.0, 1.0
+        for i in range(1, k + 1):
+            reach *= self.accept[i]
+            total += reach
+        return total
 
     def expected_rate(self, k: int) -> float | None:
         """Predicted tokens per second at draft length k."""
         verify = self.verify_cost(k + 1)
         if verify is None or (k > 0 and self.draft_step is None):
             return None
-        a = min(self.alpha, 0.999)
-        tokens = (1 - a ** (k + 1)) / (1 - a)
-        return tokens / (k * (self.draft_step or 0.0) + verify)
+        return self.expected_tokens(k) / (k * (self.draft_step or 0.0) + verify)
 
     def choose(self) -> int:
-        # Probe: every `probe_every` rounds try a neighbour so the costs stay measured.
-        if self.rounds % self.probe_every == 0:
-            return max(0, min(self.k_max, self.k + (1 if (self.rounds // self.probe_every) % 2
-                                                     else -1)))
         rates = {k: self.expected_rate(k) for k in range(0, self.k_max + 1)}
         measured = {k: r for k, r in rates.items() if r is not None}
-        if not measured:
-            return self.k
-        return max(measured, key=lambda k: measured[k])
+        best = max(measured, key=lambda k: measured[k]) if measured else self.k
+        if self.rounds % self.probe_every == 0:
+            # Probe a neighbour so the costs and acceptances it relies on stay measured.
+            step = 1 if (self.rounds // self.probe_every) % 2 else -1
+            return max(0, min(self.k_max, best + step))
+        return best

@@ -47,6 +47,8 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
     # tokens but the last one, which is fed again at the start of the next round.
     if len(tokens) > 1:
         target.forward(target_cache, np.asarray([tokens[:-1]], np.int64))
+    if drafter is not None:
+        drafter.prefill(tokens)
     stats.prefill_s += time.perf_counter() - t0
     adaptive = AdaptiveK(config.num_draft_tokens) if config.adaptive and drafter else None
     k_max = config.num_draft_tokens if drafter else 0
@@ -97,8 +99,8 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
                 stats.draft_s += proposal.seconds
                 stats.draft_calls += proposal.calls
             if adaptive is not None:
-                adaptive.update(k_used, accepted, proposal.seconds if proposal else 0.0,
-                                proposal.calls if proposal else 0, verify_s)
+                adaptive.update(k_used, accepted, proposal.step_seconds if proposal else 0.0,
+                                proposal.step_calls if proposal else 0, verify_s)
             cut = _first_eos(new, config.eos_token_ids)
             budget = config.max_new_tokens - generated
             out = new[: min(len(new), budget, cut + 1 if cut is not None else len(new))]

@@ -1,0 +1,67 @@
+"""Shared fixtures.
+
+Pair folders come from outside the test process so the runtime tests can run where torch is not
+installed: SPECEDGE_FIXTURES names a folder made by `scripts/make_fixtures.py`, and
+SPECEDGE_REFERENCE_PAIR the offline reference pair (models/smollm2-135m-reference.sh). When
+SPECEDGE_FIXTURES is unset and torch is importable the tiny pairs are built on the fly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env = os.environ.get("SPECEDGE_FIXTURES")
+    if env:
+        folder = Path(env)
+        if not (folder / "tiny-llama" / "specedge.json").is_file():
+            if not HAS_TORCH:
+                pytest.fail(f"SPECEDGE_FIXTURES={env} has no tiny-llama pair; run "
+                            "scripts/make_fixtures.py first")
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fixtures.py"), env],
+                           check=True)
+        return folder
+    if not HAS_TORCH:
+        pytest.skip("no SPECEDGE_FIXTURES and no torch to build them")
+    folder = tmp_path_factory.mktemp("fixtures")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_fixtures.py"), str(folder)],
+                   check=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dir(fixtures_dir: Path) -> Path:
+    return fixtures_dir / "tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_pair_dir: Path):  # noqa: ANN201
+    from specedge.runtime.pair import Pair
+
+    return Pair.load(tiny_pair_dir)
+
+
+@pytest.fixture(scope="session")
+def reference_pair_dir() -> Path:
+    env = os.environ.get("SPECEDGE_REFERENCE_PAIR")
+    if not env or not (Path(env) / "specedge.json").is_file():
+        pytest.skip("SPECEDGE_REFERENCE_PAIR is not set to a built reference pair")
+    return Path(env)
+
+
+@pytest.fixture(scope="session")
+def reference_pair(reference_pair_dir: Path):  # noqa: ANN201
+    from specedge.runtime.pair import Pair
+
+    return Pair.load(reference_pair_dir)

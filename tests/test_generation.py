@@ -1,0 +1,194 @@
+"""End-to-end generation on the tiny seeded pair: exactness, stop reasons, errors, invariants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specedge.runtime.drafters import AdaptiveK, ModelDrafter, NgramDrafter
+from specedge.runtime.errors import InputError
+from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.sampling import SamplingParams
+from specedge.runtime.speculative import LoopConfig, decode
+from specedge.runtime.stats import GenerationStats
+
+PROMPTS = ["The quick brown", "def add(a, b):", "héllo wörld 🙂", "Edge devices like",
+           "Speculative decoding drafts"]
+
+
+def ids_of(pair: Pair, cfg: GenerationConfig, prompt: str) -> list[int]:
+    out, _, _ = pair.generate_ids(pair.encode_prompt(prompt), cfg)
+    return out
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_greedy_speculative_equals_target_only(tiny_pair: Pair, drafter: str, k: int) -> None:
+    for prompt in PROMPTS:
+        base = ids_of(tiny_pair, GenerationConfig(max_new_tokens=40, drafter="none"), prompt)
+        spec = ids_of(tiny_pair, GenerationConfig(max_new_tokens=40, drafter=drafter,
+                                                  num_draft_tokens=k, adaptive=False), prompt)
+        assert spec == base, (drafter, k, prompt)
+
+
+def test_adaptive_greedy_equals_target_only(tiny_pair: Pair) -> None:
+    for prompt in PROMPTS:
+        base = ids_of(tiny_pair, GenerationConfig(max_new_tokens=60, drafter="none"), prompt)
+        spec = ids_of(tiny_pair, GenerationConfig(max_new_tokens=60, drafter="model",
+                                                  num_draft_tokens=6, adaptive=True), prompt)
+        assert spec == base
+
+
+def test_cache_invariant_holds_every_round(tiny_pair: Pair) -> None:
+    """Both caches hold exactly the committed tokens but the last one (draft: a prefix)."""
+    prompt = tiny_pair.encode_prompt("The quick brown")
+    target = tiny_pair.target
+    assert tiny_pair.draft is not None
+    cache = target.new_cache(1, 128)
+    drafter = ModelDrafter(tiny_pair.draft, tiny_pair.draft.new_cache(1, 128))
+    cfg = LoopConfig(max_new_tokens=50, num_draft_tokens=3, adaptive=False,
+                     eos_token_ids=(10**9,))
+    committed = list(prompt)
+    rng = np.random.default_rng(0)
+    for chunk in decode(target, cache, drafter, prompt, cfg, SamplingParams(temperature=0.9),
+                        rng, GenerationStats()):
+        committed += chunk
+        assert int(cache.lengths[0]) == len(committed) - 1
+        assert len(drafter.fed) <= len(committed) - 1
+        assert drafter.fed == committed[: len(drafter.fed)]
+        assert int(drafter.cache.lengths[0]) == len(drafter.fed)
+
+
+def test_same_seed_same_text(tiny_pair: Pair) -> None:
+    cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingParams(temperature=1.0, top_p=0.9,
+                                                                      seed=7))
+    a, b = tiny_pair.generate("The quick", cfg), tiny_pair.generate("The quick", cfg)
+    assert a.tokens == b.tokens and a.text == b.text
+    other = tiny_pair.generate("The quick", GenerationConfig(
+        max_new_tokens=30, sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=8)))
+    assert other.tokens != a.tokens
+
+
+def test_stream_deltas_concatenate_to_text(tiny_pair: Pair) -> None:
+    cfg = GenerationConfig(max_new_tokens=40, sampling=SamplingParams(temperature=1.0, seed=3))
+    gen = tiny_pair.stream("héllo 🙂", cfg)
+    deltas = []
+    while True:
+        try:
+            deltas.append(next(gen))
+        except StopIteration as done:
+            result = done.value
+            break
+    assert "".join(deltas) == result.text
+    assert result.text == tiny_pair.tokenizer.decode(
+        [t for t in result.tokens if t not in tiny_pair.manifest.eos_token_ids])
+
+
+def test_stop_reason_max_new_tokens(tiny_pair: Pair) -> None:
+    r = tiny_pair.generate("The quick", GenerationConfig(max_new_tokens=7, drafter="model",
+                                                         num_draft_tokens=5, adaptive=False))
+    assert r.stop_reason == "max_new_tokens" and len(r.tokens) == 7
+    assert r.stats.new_tokens == 7
+
+
+def test_stop_reason_eos(tiny_pair: Pair) -> None:
+    """Make the first greedy token an eos id: generation ends with reason eos."""
+    base = ids_of(tiny_pair, GenerationConfig(max_new_tokens=20, drafter="none"), "The quick")
+    eos_pair = Pair(_with_eos(tiny_pair, base[3]), tiny_pair.tokenizer, tiny_pair.target,
+                    tiny_pair.draft)
+    r = eos_pair.generate("The quick", GenerationConfig(max_new_tokens=20, num_draft_tokens=4,
+                                                        adaptive=False))
+    assert r.stop_reason == "eos"
+    assert r.tokens == base[: base.index(base[3]) + 1]
+
+
+def _with_eos(pair: Pair, token: int):  # noqa: ANN202
+    from dataclasses import replace
+
+    return replace(pair.manifest, eos_token_ids=(token,))
+
+
+def test_stop_string_spanning_tokens(tiny_pair: Pair) -> None:
+    full = tiny_pair.generate("The quick", GenerationConfig(max_new_tokens=40, drafter="none"))
+    # A stop string made of the end of one token and the start of a later one.
+    toks = [tiny_pair.tokenizer.decode([t]) for t in full.tokens]
+    pos = next(i for i in range(2, len(toks) - 1) if toks[i] and toks[i + 1])
+    stop = toks[i][-1:] + toks[i + 1][:1] if (i := pos) else ""
+    start = full.text.find(stop)
+    r = tiny_pair.generate("The quick", GenerationConfig(max_new_tokens=40, stop=(stop,)))
+    assert r.stop_reason == "stop"
+    assert r.text == full.text[:start]
+    assert stop not in r.text
+
+
+def test_stop_reason_context(tiny_pair: Pair) -> None:
+    from dataclasses import replace
+
+    small = replace(tiny_pair.manifest, target=replace(tiny_pair.manifest.target,
+                                                       max_seq_len=20))
+    pair = Pair(small, tiny_pair.tokenizer, tiny_pair.target, tiny_pair.draft)
+    prompt = pair.encode_prompt("The quick brown")
+    r = pair.generate("The quick brown", GenerationConfig(max_new_tokens=100,
+                                                          num_draft_tokens=4))
+    assert r.stop_reason == "context"
+    assert len(prompt) + len(r.tokens) == 20
+    base = ids_of(tiny_pair, GenerationConfig(max_new_tokens=100, drafter="none"),
+                  "The quick brown")
+    assert r.tokens == base[: len(r.tokens)]
+
+
+def test_prompt_longer_than_context(tiny_pair: Pair) -> None:
+    with pytest.raises(InputError, match="context"):
+        tiny_pair.generate("The quick brown fox " * 200)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(num_draft_tokens=0),
+    dict(num_draft_tokens=65), dict(drafter="magic"), dict(stop=("",)),
+])
+def test_invalid_generation_config(kwargs: dict) -> None:
+    with pytest.raises(InputError):
+        GenerationConfig(**kwargs)
+
+
+def test_bad_prompts(tiny_pair: Pair) -> None:
+    with pytest.raises(InputError, match="empty"):
+        tiny_pair.generate("")
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        tiny_pair.generate_ids([1, 2, 10**6])
+    with pytest.raises(InputError):
+        tiny_pair.generate([{"role": "user"}])
+
+
+def test_stats_are_consistent(tiny_pair: Pair) -> None:
+    r = tiny_pair.generate("The quick", GenerationConfig(max_new_tokens=50, num_draft_tokens=3,
+                                                         adaptive=False))
+    s = r.stats
+    assert s.rounds == s.target_calls == len(s.draft_lengths)
+    assert s.proposed == sum(s.draft_lengths) and s.accepted == sum(s.accepted_lengths)
+    assert s.new_tokens == len(r.tokens)
+    assert 0.0 <= s.acceptance_rate <= 1.0
+    assert s.decode_s >= s.draft_s + s.verify_s
+
+
+def test_ngram_lookup() -> None:
+    ng = NgramDrafter(max_ngram=3)
+    assert ng.lookup([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    assert ng.lookup([1, 2, 3], 2) == []
+    assert ng.lookup([7, 8, 9, 7], 2) == [8, 9]
+
+
+def test_adaptive_backs_off_when_drafts_never_accepted() -> None:
+    ak = AdaptiveK(6, k_start=3)
+    for _ in range(60):
+        k = ak.k
+        ak.update(k, 0, 0.005 * k, k, 0.010 + 0.001 * k)
+    assert ak.k == 0 or ak.rounds % ak.probe_every == 0
+
+
+def test_adaptive_grows_when_drafts_always_accepted() -> None:
+    ak = AdaptiveK(6, k_start=1)
+    for _ in range(60):
+        k = ak.k
+        ak.update(k, k, 0.001 * k, k, 0.010 + 0.0005 * k)
+    assert ak.k >= 4
