@@ -50,7 +50,7 @@ ARCHS: dict[str, ArchSpec] = {
         ArchSpec("gemma", "GemmaForCausalLM", "gqa-shared", dict(_LLAMA_LIKE, head_dim=16)),
         ArchSpec("gemma2", "Gemma2ForCausalLM", "gqa-shared",
                  dict(_LLAMA_LIKE, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)),
-        ArchSpec("gemma3_text", "Gemma3ForCausalLM", "gqa-shared",
+        ArchSpec("gemma3_text", "Gemma3ForCausalLM", "concat",
                  dict(_LLAMA_LIKE, head_dim=16, sliding_window=64, query_pre_attn_scalar=16,
                       sliding_window_pattern=2)),
         ArchSpec("gpt2", "GPT2LMHeadModel", "concat",

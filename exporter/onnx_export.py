@@ -41,6 +41,7 @@ class GraphInfo:
     kv_dtype: str
     position_ids: str | None
     genai_config: dict[str, Any] | None
+    min_cache_len: int = 1
 
 
 _BUILDER_PRECISION = {"fp32": "fp32", "fp16": "fp16", "int4": "int4", "int8": "int8"}
@@ -92,6 +93,9 @@ def build_gqa(hf_dir: Path, out: Path, precision: str, provider: str, cache: Pat
         kv_dtype=kv_dtype,
         position_ids="position_ids" if "position_ids" in inputs else None,
         genai_config=cfg,
+        min_cache_len=max([1] + [a.i for n in model.graph.node
+                                 if n.op_type == "GroupQueryAttention"
+                                 for a in n.attribute if a.name == "local_window_size"]),
     )
 
 
@@ -107,8 +111,8 @@ def export_concat(hf_dir: Path, out: Path, arch: ArchSpec, precision: str) -> Gr
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.eval()
     layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = config.hidden_size // heads
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     wrapper = _ConcatWrapper(model, layers)
     out.mkdir(parents=True, exist_ok=True)
     past = [torch.zeros(1, heads, 3, head_dim) for _ in range(2 * layers)]

@@ -217,6 +217,7 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
         kv=KVSpec(dtype=info.kv_dtype),
         position_ids=info.position_ids,
         logits_dtype=info.kv_dtype,
+        min_cache_len=info.min_cache_len,
         source={**src.provenance(), "model_type": config_dict.get("model_type"),
                 "architecture": (config_dict.get("architectures") or [None])[0]},
     )

@@ -203,7 +203,10 @@ class OrtModel:
             )
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
-        return KVCache(self, batch, max_len or self.spec.max_seq_len)
+        """A cache for `batch` rows of up to `max_len` tokens (at least `min_cache_len`)."""
+        spec = self.spec
+        length = min(spec.max_seq_len, max(max_len or spec.max_seq_len, spec.min_cache_len))
+        return KVCache(self, batch, length)
 
     def forward(self, cache: KVCache, tokens: np.ndarray) -> np.ndarray:
         """Feed `tokens` after each row's cached prefix and return their logits.

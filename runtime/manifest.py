@@ -68,6 +68,7 @@ class ModelSpec:
     position_ids: str | None = None
     logits: str = "logits"
     logits_dtype: str = "float32"
+    min_cache_len: int = 1  # e.g. the sliding window: KV buffers are never allocated shorter
     validation: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
 
@@ -273,6 +274,7 @@ def _parse_model(r: _Reader, root: Path) -> ModelSpec:
         position_ids=r.get("position_ids", (str, type(None)), required=False),
         logits=r.get("logits", str),
         logits_dtype=r.choice("logits_dtype", KV_DTYPES),
+        min_cache_len=r.int_in("min_cache_len", 1, 1 << 22, required=False, default=1),
         validation=r.get("validation", dict, required=False, default={}),
         source=r.get("source", dict, required=False, default={}),
     )

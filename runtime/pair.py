@@ -221,7 +221,8 @@ class Pair:
         if len(ids) >= limit:
             raise InputError(f"the prompt has {len(ids)} tokens but the context is {limit}; "
                              "shorten it")
-        max_len = min(limit, len(ids) + config.max_new_tokens + k + 1)
+        floors = [m.min_cache_len for m in (self.manifest.target, self.manifest.draft) if m]
+        max_len = min(limit, max([len(ids) + config.max_new_tokens + k + 1, *floors]))
         stats = stats if stats is not None else GenerationStats()
         stats.prompt_tokens = len(ids)
         drafter = self._drafter(drafter_name, max_len)

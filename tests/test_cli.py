@@ -1,0 +1,303 @@
+"""The `specedge` command line, through click's CliRunner and one real subprocess.
+
+Every bad input must end with a non-zero exit code and exactly one line on stderr that starts
+with "error:", never a Python traceback. (click >= 8.2: `result.stderr` is stderr alone,
+`result.stdout` stdout alone, `result.output` both as a terminal would show them.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner, Result
+
+from specedge.cli import main
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def invoke(runner: CliRunner, *args: str | Path) -> Result:
+    return runner.invoke(main, [str(a) for a in args])
+
+
+def assert_clean_error(result: Result, contains: str = "") -> str:
+    """Non-zero exit, one 'error:' line on stderr, no traceback; returns that line."""
+    assert result.exit_code != 0, result.output
+    # An exception that is not SystemExit means the CLI let it escape (CliRunner caught it).
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        repr(result.exception))
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error:"), lines[0]
+    assert contains in lines[0], lines[0]
+    assert result.stdout.strip() == ""
+    return lines[0]
+
+
+def generate_json(runner: CliRunner, pair: Path, *args: str) -> dict:
+    result = invoke(runner, "generate", pair, *args, "--json")
+    assert result.exit_code == 0, result.output
+    assert result.exception is None
+    out: dict = json.loads(result.stdout)
+    return out
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def test_generate_json(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    out = generate_json(runner, tiny_pair_dir, "The quick", "--max-new-tokens", "8")
+    assert set(out) >= {"text", "tokens", "stop_reason", "stats"}
+    assert isinstance(out["text"], str)
+    assert 1 <= len(out["tokens"]) <= 8
+    assert all(isinstance(t, int) and 0 <= t < 320 for t in out["tokens"])
+    assert out["stop_reason"] in ("eos", "max_new_tokens", "context", "stop")
+    assert out["stats"]["new_tokens"] == len(out["tokens"])
+    assert out["stats"]["prompt_tokens"] >= 1
+
+
+def test_generate_plain_text_and_stats(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    result = invoke(runner, "generate", tiny_pair_dir, "The quick", "--max-new-tokens", "8",
+                    "--stats")
+    assert result.exit_code == 0, result.output
+    assert result.exception is None
+    assert result.stdout.endswith("\n")
+    assert "statistics" in result.stderr
+    assert "acceptance rate" in result.stderr
+
+
+@pytest.mark.parametrize("mode", [["--no-speculation"], ["--drafter", "ngram"],
+                                  ["--drafter", "hybrid", "-k", "5", "--fixed-k"]])
+def test_greedy_text_identical_across_drafters(runner: CliRunner, tiny_pair_dir: Path,
+                                               mode: list[str]) -> None:
+    args = ["The quick brown", "--max-new-tokens", "24"]
+    base = generate_json(runner, tiny_pair_dir, *args)
+    other = generate_json(runner, tiny_pair_dir, *args, *mode)
+    assert other["text"] == base["text"]
+    assert other["tokens"] == base["tokens"]
+    if mode == ["--no-speculation"]:
+        assert other["stats"]["proposed"] == 0
+
+
+def test_stream_output_equals_json_text(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    args = ["The quick brown", "--max-new-tokens", "16"]
+    as_json = generate_json(runner, tiny_pair_dir, *args)
+    plain = invoke(runner, "generate", tiny_pair_dir, *args)
+    assert plain.exit_code == 0, plain.output
+    assert plain.stdout == as_json["text"] + "\n"
+
+
+def test_generate_sampling_with_seed_is_reproducible(runner: CliRunner,
+                                                     tiny_pair_dir: Path) -> None:
+    args = ["Edge devices", "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9",
+            "--seed", "7"]
+    a = generate_json(runner, tiny_pair_dir, *args)
+    b = generate_json(runner, tiny_pair_dir, *args)
+    assert (a["tokens"], a["text"]) == (b["tokens"], b["text"])
+
+
+def test_generate_threads_and_no_verify(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    out = generate_json(runner, tiny_pair_dir, "hi", "--max-new-tokens", "4", "--threads", "1,1",
+                        "--providers", "cpu,cpu", "--no-verify")
+    assert len(out["tokens"]) <= 4
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+@pytest.mark.parametrize(("args", "contains"), [
+    (["--temperature", "-1"], "temperature"),
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "inf"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--min-p", "1"], "min_p"),
+    (["--top-k", "-1"], "top_k"),
+    (["--num-draft-tokens", "0"], "num_draft_tokens"),
+    (["--num-draft-tokens", "65"], "num_draft_tokens"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", "-5"], "max_new_tokens"),
+    (["--providers", "gpu9"], "gpu9"),
+    (["--providers", "cpu,cpu,cpu"], "--providers"),
+    (["--threads", "x"], "--threads"),
+    (["--threads", "-1"], "--threads"),
+    (["--threads", "1,2,3"], "--threads"),
+])
+def test_generate_bad_options(runner: CliRunner, tiny_pair_dir: Path, args: list[str],
+                              contains: str) -> None:
+    result = invoke(runner, "generate", tiny_pair_dir, "hi", *args)
+    assert_clean_error(result, contains)
+
+
+def test_missing_pair_folder(runner: CliRunner, tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    line = assert_clean_error(invoke(runner, "generate", missing, "hi"), str(missing))
+    assert "no such pair folder" in line
+
+
+def test_folder_without_manifest(runner: CliRunner, tmp_path: Path) -> None:
+    line = assert_clean_error(invoke(runner, "generate", tmp_path, "hi"), "specedge.json")
+    assert "not a specedge pair folder" in line
+
+
+def test_tampered_pair(runner: CliRunner, tiny_pair_dir: Path, tmp_path: Path) -> None:
+    pair = tmp_path / "pair"
+    shutil.copytree(tiny_pair_dir, pair)
+    with open(pair / "target" / "model.onnx.data", "ab") as fh:
+        fh.write(b"\x00")
+    assert_clean_error(invoke(runner, "generate", pair, "hi"), "sha256 does not match")
+    # --no-verify skips the check (the appended byte is past every tensor: still loads)
+    result = invoke(runner, "generate", pair, "hi", "--max-new-tokens", "2", "--no-verify")
+    assert result.exit_code == 0, result.output
+
+
+def test_empty_prompt(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    assert_clean_error(invoke(runner, "generate", tiny_pair_dir, ""), "prompt is empty")
+
+
+def test_prompt_longer_than_context(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    line = assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "word " * 2000),
+                              "context is 512")
+    assert "shorten it" in line
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(),
+                    reason="CUDA is available here: --providers cuda would not fail")
+@pytest.mark.parametrize("providers", ["cuda", "cpu,cuda", "cuda,cpu"])
+def test_unavailable_provider(runner: CliRunner, tiny_pair_dir: Path, providers: str) -> None:
+    line = assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "hi",
+                                     "--providers", providers), "'cuda'")
+    assert "not available" in line
+
+
+def test_bad_choice_is_a_usage_error(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    # click's own usage errors exit 2 with "Usage:" + "Error:" lines; just no traceback.
+    result = invoke(runner, "generate", tiny_pair_dir, "hi", "--drafter", "oracle")
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert "Invalid value for '--drafter'" in result.stderr
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def test_inspect(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    result = invoke(runner, "inspect", tiny_pair_dir)
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert "target" in info and "draft" in info
+    assert info["vocab_size"] == 320
+    assert info["target"]["max_seq_len"] == 512
+
+
+def test_inspect_missing(runner: CliRunner, tmp_path: Path) -> None:
+    assert_clean_error(invoke(runner, "inspect", tmp_path / "nope"), "no such pair folder")
+
+
+# ----------------------------------------------------------------------------- real process
+
+
+def test_subprocess_clean_error(tiny_pair_dir: Path) -> None:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-m", "specedge.cli", "generate", str(tiny_pair_dir), "hi",
+         "--max-new-tokens", "4", "--temperature", "-1"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode != 0
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: temperature")
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert proc.stdout == ""
+
+
+def test_console_script_exists() -> None:
+    script = Path(sys.executable).with_name("specedge")
+    if not script.exists():
+        pytest.skip("no specedge console script next to the interpreter")
+    proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "version" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- export
+
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="needs the [export] extra (torch)")
+
+
+@pytest.mark.export
+@needs_torch
+def test_export_missing_target(runner: CliRunner, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = invoke(runner, "export", tmp_path / "no-such-model", "-o", out)
+    assert_clean_error(result, "no such file or folder")
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [], "export left files behind"
+
+
+@pytest.mark.export
+@needs_torch
+def test_export_non_empty_output_needs_force(runner: CliRunner, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    result = invoke(runner, "export", tmp_path / "no-such-model", "-o", out)
+    assert_clean_error(result, "--force")
+    assert (out / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+@pytest.mark.export
+@needs_torch
+def test_export_output_is_a_file(runner: CliRunner, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.write_text("x")
+    assert_clean_error(invoke(runner, "export", tmp_path / "no-such-model", "-o", out),
+                       "not a folder")
+
+
+@pytest.mark.export
+@needs_torch
+def test_export_read_only_parent(runner: CliRunner, tmp_path: Path) -> None:
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        pytest.skip("running as root: chmod 0o555 does not stop root from writing")
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        out = parent / "out"
+        assert_clean_error(invoke(runner, "export", tmp_path / "no-such-model", "-o", out),
+                           "not writable")
+        assert not out.exists()
+    finally:
+        parent.chmod(0o755)
+
+
+@pytest.mark.export
+@needs_torch
+@pytest.mark.parametrize(("args", "contains"), [
+    (["--num-draft-tokens", "0"], "--num-draft-tokens"),
+    (["--num-draft-tokens", "65"], "--num-draft-tokens"),
+])
+def test_export_bad_options(runner: CliRunner, tmp_path: Path, args: list[str],
+                            contains: str) -> None:
+    out = tmp_path / "out"
+    assert_clean_error(invoke(runner, "export", tmp_path / "no-such-model", "-o", out, *args),
+                       contains)
+    assert not out.exists()
