@@ -72,7 +72,7 @@ def make_tiny_model(model_type: str, folder: Path, *, seed: int = 0, num_layers:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         # Norm weights start at 1 (or 0 for gemma's 1+w form); jitter them so every weight matters.
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.05)
     model.eval()

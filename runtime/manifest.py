@@ -201,7 +201,8 @@ def confine(root: Path, relative: str, *, file: Path, key: str) -> Path:
         ManifestError: for absolute paths, `..` components, or symlinks pointing outside.
     """
     rel = Path(relative)
-    if not relative or rel.is_absolute() or ".." in rel.parts or "\\" in relative:
+    if (not relative or "\x00" in relative or rel.is_absolute() or ".." in rel.parts
+            or "\\" in relative):
         raise ManifestError(
             f"{file}: key '{key}' must be a relative path inside the pair folder, found "
             f"{relative!r}"
@@ -233,7 +234,8 @@ def _file_map(r: _Reader, name: str, root: Path) -> dict[str, str]:
     for rel, digest in raw.items():
         key = f"{r.key(name)}.{rel}"
         confine(root, rel, file=r.file, key=key)
-        if not isinstance(digest, str) or len(digest) != 64:
+        if not isinstance(digest, str) or len(digest) != 64 or \
+                not all(c in "0123456789abcdef" for c in digest):
             r.fail(key, "a sha256 hex digest", digest)
         out[rel] = digest
     return out
@@ -251,8 +253,13 @@ def _parse_model(r: _Reader, root: Path) -> ModelSpec:
         dtype=kv_r.choice("dtype", KV_DTYPES),
     )
     for key in ("past_key", "past_value", "present_key", "present_value"):
-        if "{i}" not in getattr(kv, key):
-            kv_r.fail(kv_r.key(key), "a name pattern containing '{i}'", getattr(kv, key))
+        pattern = getattr(kv, key)
+        try:
+            ok = "{i}" in pattern and pattern.format(i=0) != pattern.format(i=1)
+        except (KeyError, IndexError, ValueError):
+            ok = False
+        if not ok:
+            kv_r.fail(kv_r.key(key), "a name pattern with one '{i}' field", pattern)
     path = r.get("path", str)
     confine(root, path, file=r.file, key=r.key("path"))
     files = _file_map(r, "files", root)
@@ -373,14 +380,14 @@ def load_manifest(root: Path | str, *, verify_hashes: bool = True) -> PairManife
                             "(create one with `specedge export`)")
     try:
         doc = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ManifestError(f"{file}: not valid JSON ({exc}); re-export the pair") from None
     manifest = parse_manifest(root, doc, file=file)
     listed: dict[str, str] = dict(manifest.tokenizer_files)
     for spec in (manifest.target, manifest.draft):
         if spec is not None:
             listed.update(spec.files)
-    for rel, digest in listed.items():
+    for rel in listed:
         path = root / rel
         if not path.is_file():
             raise ManifestError(f"{file}: listed file {rel!r} is missing from {root}; "

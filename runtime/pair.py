@@ -13,7 +13,7 @@ generator and statistics, so several threads may generate at once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,8 +207,22 @@ class Pair:
         model = ModelDrafter(self.draft, self.draft.new_cache(1, max_len))
         return model if name == "model" else HybridDrafter(model, NgramDrafter())
 
+    def _adaptive(self, config: GenerationConfig) -> bool:
+        """Adaptive k by default, except for seeded sampling.
+
+        Adaptive k reacts to measured wall-clock costs, so its choices (and with them the
+        order in which random numbers are drawn) vary from run to run. The output distribution
+        is exact either way, but "same seed, same text" needs a fixed k, so a seeded sampled
+        generation uses the fixed k unless `adaptive=True` is asked for explicitly.
+        """
+        if config.adaptive is not None:
+            return config.adaptive
+        seeded = not config.sampling.greedy and config.sampling.seed is not None
+        return self.manifest.defaults.adaptive and not seeded
+
     def stream_tokens(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
-                      stats: GenerationStats | None = None) -> Iterator[list[int]]:
+                      stats: GenerationStats | None = None
+                      ) -> Generator[list[int], None, str]:
         """Yield the token ids committed by each round (the lowest-level API)."""
         config = config or GenerationConfig()
         ids = self.check_ids(prompt_ids)
@@ -227,20 +241,21 @@ class Pair:
         stats.prompt_tokens = len(ids)
         drafter = self._drafter(drafter_name, max_len)
         loop = LoopConfig(max_new_tokens=config.max_new_tokens, num_draft_tokens=k,
-                          adaptive=d.adaptive if config.adaptive is None else config.adaptive,
+                          adaptive=self._adaptive(config),
                           eos_token_ids=self.manifest.eos_token_ids)
         cache = self.target.new_cache(1, max_len)
         rng = config.sampling.make_rng()
         return decode(self.target, cache, drafter, ids, loop, config.sampling, rng, stats)
 
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
-               stats: GenerationStats | None = None) -> Iterator[str]:
+               stats: GenerationStats | None = None
+               ) -> Generator[str, None, GenerationResult]:
         """Yield text deltas as they are generated (multi-byte safe, stop strings honoured)."""
         result = yield from self._stream(prompt, config, stats)
         return result
 
     def _stream(self, prompt: Prompt, config: GenerationConfig | None,
-                stats: GenerationStats | None) -> Iterator[str]:
+                stats: GenerationStats | None) -> Generator[str, None, GenerationResult]:
         import time
 
         config = config or GenerationConfig()

@@ -9,7 +9,7 @@ decoding through the same loop, which is what `--no-speculation` runs.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +33,7 @@ class LoopConfig:
 def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, prompt: list[int],
            config: LoopConfig, params: SamplingParams, rng: np.random.Generator,
            stats: GenerationStats, stop: Callable[[list[int]], bool] | None = None
-           ) -> Iterator[list[int]]:
+           ) -> Generator[list[int], None, str]:
     """Generate after `prompt`, yielding the tokens committed by each round.
 
     The caller decides about stop strings through `stop(new_tokens)`; eos, the token budget and
@@ -67,8 +67,8 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
             drafts = proposal.tokens if proposal is not None else np.zeros(0, np.int64)
             k_used = len(drafts)
             t1 = time.perf_counter()
-            logits = target.forward(target_cache,
-                                    np.concatenate([[tokens[-1]], drafts])[None].astype(np.int64))[0]
+            block = np.concatenate([[tokens[-1]], drafts]).astype(np.int64)[None]  # [1, k+1]
+            logits = target.forward(target_cache, block)[0]
             verify_s = time.perf_counter() - t1
             # logits: [k_used + 1, vocab]
             if params.greedy:

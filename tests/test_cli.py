@@ -101,10 +101,14 @@ def test_stream_output_equals_json_text(runner: CliRunner, tiny_pair_dir: Path) 
     assert plain.stdout == as_json["text"] + "\n"
 
 
-def test_generate_sampling_with_seed_is_reproducible(runner: CliRunner,
-                                                     tiny_pair_dir: Path) -> None:
+@pytest.mark.parametrize("mode", [["--fixed-k"], ["--no-speculation"], ["--drafter", "ngram",
+                                                                          "--fixed-k"]])
+def test_generate_sampling_with_seed_is_reproducible(runner: CliRunner, tiny_pair_dir: Path,
+                                                     mode: list[str]) -> None:
+    # Not with the default adaptive K: it picks K from measured wall-clock costs, so the random
+    # stream is consumed differently from run to run (see the report on --seed).
     args = ["Edge devices", "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9",
-            "--seed", "7"]
+            "--seed", "7", *mode]
     a = generate_json(runner, tiny_pair_dir, *args)
     b = generate_json(runner, tiny_pair_dir, *args)
     assert (a["tokens"], a["text"]) == (b["tokens"], b["text"])

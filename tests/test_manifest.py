@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from specedge.runtime.errors import ManifestError, ModelError, SpecEdgeError
 from specedge.runtime.manifest import (
     MANIFEST_NAME,
@@ -157,9 +158,6 @@ def test_json_not_an_object(tmp_path: Path, doc: Any) -> None:
         load_manifest(tmp_path)
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError,
-                   reason="bug: load_manifest lets json.loads' RecursionError escape on deeply "
-                          "nested JSON (runtime/manifest.py, except clause of json.loads)")
 def test_deeply_nested_json(tmp_path: Path) -> None:
     (tmp_path / MANIFEST_NAME).write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
     with pytest.raises(ManifestError, match=r"specedge\.json"):
@@ -366,9 +364,6 @@ def test_symlink_inside_the_pair_is_allowed(pair_copy: Path) -> None:
     assert load_manifest(pair_copy).target.path == "target/model.onnx"
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="bug: confine() lets Path.resolve's ValueError ('embedded null byte') "
-                          "escape for a path containing NUL (runtime/manifest.py, confine)")
 @pytest.mark.parametrize("where", ["path", "files"])
 def test_nul_byte_in_path(pair_copy: Path, where: str) -> None:
     if where == "path":
@@ -394,8 +389,6 @@ def test_bad_digest(pair_copy: Path, digest: Any) -> None:
         load_manifest(pair_copy)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: _file_map only checks len(digest) == 64, not that "
-                                       "it is hex; the error then wrongly says the file is corrupt")
 def test_non_hex_digest_is_a_schema_error(pair_copy: Path) -> None:
     edit(pair_copy, lambda d: d["tokenizer"]["files"].update({"tokenizer.json": "z" * 64}))
     with pytest.raises(ManifestError, match="must be a sha256 hex digest"):
@@ -481,10 +474,6 @@ def test_manifest_tensor_names_must_exist(pair_copy: Path) -> None:
         Pair.load(pair_copy)
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError,
-                   reason="bug: a KV name pattern with other format fields ('{i}{j}') passes "
-                          "parse_manifest and raises KeyError in OrtModel (runtime/manifest.py, "
-                          "_parse_model: try pattern.format(i=0))")
 def test_kv_pattern_with_extra_fields(pair_copy: Path) -> None:
     edit(pair_copy, lambda d: target(d)["kv"].update(past_key="past.{i}.{j}"))
     with pytest.raises(SpecEdgeError, match="past_key"):
@@ -495,7 +484,7 @@ def test_kv_pattern_with_extra_fields(pair_copy: Path) -> None:
 
 # NUL is left out of the generated text because of the known confine() bug (see
 # test_nul_byte_in_path); put it back once that is fixed.
-_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=""),
                 max_size=12)
 _interesting = st.sampled_from([
     "", ".", "..", "/etc/passwd", "../x", "target/model.onnx", "target/model.onnx.data",

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.special import softmax
 from scipy.stats import chisquare
+
 from specedge.runtime.errors import InputError, ModelError, SpecEdgeError
 from specedge.runtime.sampling import (
     SamplingParams,

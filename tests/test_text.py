@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from specedge.runtime.errors import InputError, ManifestError
-from specedge.runtime.text import IncrementalDetokenizer, StopStrings, Tokenizer
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from specedge.runtime.errors import InputError, ManifestError
+from specedge.runtime.text import IncrementalDetokenizer, StopStrings, Tokenizer
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
