@@ -1,1 +1,1 @@
-"""specedge.calibration."""
+"""specedge.calibration: calibration data and pair measurement (see issue 6; not built yet)."""

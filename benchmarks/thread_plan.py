@@ -1,0 +1,65 @@
+"""Measure thread plans for two ONNX Runtime sessions sharing the CPU (issue 3).
+
+Usage: python benchmarks/thread_plan.py PAIR [OUT.md]
+Greedy, 3 chat prompts × 128 new tokens, one warm-up pass per plan; decode tokens/s (prefill
+excluded) for target-only, fixed K = 2, 3, 4 and adaptive K (max 6). Ratios within one run count.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from pathlib import Path
+
+from specedge.runtime.backend import SessionConfig, physical_cores
+from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
+
+PROMPTS = ["Write a short story about a robot learning to paint.",
+           "Explain how a hash table works.",
+           "List five tips for staying productive when working from home."]
+
+
+def run(pair: Pair, drafter: str, k: int, adaptive: bool) -> tuple[float, float]:
+    tokens = seconds = accepted = proposed = 0.0
+    for prompt in PROMPTS:
+        r = pair.generate(prompt, GenerationConfig(max_new_tokens=128, drafter=drafter,
+                                                   num_draft_tokens=k, adaptive=adaptive,
+                                                   chat=True))
+        tokens += r.stats.new_tokens
+        seconds += r.stats.decode_s
+        accepted += r.stats.accepted
+        proposed += r.stats.proposed
+    return tokens / seconds, accepted / proposed if proposed else 0.0
+
+
+def main(pair_dir: str, out: str | None) -> None:
+    cores = physical_cores()
+    cpu = lambda n, spin: SessionConfig(intra_op_threads=n, allow_spinning=spin)  # noqa: E731
+    plans = {
+        "default (target all cores + spin, draft cores-1 no spin)": plan_threads(),
+        f"both {cores} threads, both spin": ThreadPlan(cpu(cores, True), cpu(cores, True)),
+        f"both {cores} threads, no spin": ThreadPlan(cpu(cores, False), cpu(cores, False)),
+        f"target {cores} no spin, draft 1 no spin": ThreadPlan(cpu(cores, False), cpu(1, False)),
+    }
+    lines = [f"# Thread plans on {cores} cores ({platform.processor() or platform.machine()}),"
+             f" {time.strftime('%Y-%m-%d')}", "",
+             "| plan | target only | K=2 | K=3 | K=4 | adaptive |", "|---|---|---|---|---|---|"]
+    for name, plan in plans.items():
+        pair = Pair.load(pair_dir, plan=plan, verify_hashes=False)
+        run(pair, "none", 1, False)  # warm-up
+        base = run(pair, "none", 1, False)[0]
+        cells = [f"{base:.1f}"]
+        for k in (2, 3, 4):
+            tps, acc = run(pair, "model", k, False)
+            cells.append(f"{tps:.1f} ({tps / base:.2f}x, acc {acc:.2f})")
+        tps, acc = run(pair, "model", 6, True)
+        cells.append(f"{tps:.1f} ({tps / base:.2f}x)")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    if out:
+        Path(out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
