@@ -82,6 +82,11 @@ def build_gqa(hf_dir: Path, out: Path, precision: str, provider: str, cache: Pat
     kv_dtype = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}.get(elem)
     if kv_dtype is None:
         raise ExportError(f"{out}: unsupported KV dtype {elem} in the builder's graph")
+    if not any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
+        raise ExportError(
+            f"{hf_dir}: the builder wrote no GroupQueryAttention graph for {precision} on "
+            f"{provider}; use fp32/int8/int4 on cpu, or fp16 with --provider cuda"
+        )
     return GraphInfo(
         onnx_path=out / "model.onnx",
         graph="gqa-shared",

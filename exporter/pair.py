@@ -68,6 +68,9 @@ class ExportOptions:
             if value is not None and value not in PRECISIONS:
                 raise InputError(f"--{key.replace('_', '-')} {value!r}: use one of "
                                  f"{', '.join(PRECISIONS)}")
+        if "fp16" in (self.precision, self.draft_precision) and self.provider == "cpu":
+            raise InputError("fp16 graphs are built for GPUs: add --provider cuda, or use fp32, "
+                             "int8 or int4 on cpu")
         if self.provider not in ("cpu", "cuda"):
             raise InputError(f"--provider {self.provider!r}: use cpu or cuda")
         if not 1 <= self.num_draft_tokens <= 64:

@@ -230,10 +230,17 @@ class OrtModel:
                 f"{self.name} model: {total} tokens exceed the context of {cache.max_len}"
             )
         mask = (np.arange(total)[None, :] < (lengths[:, None] + new)).astype(np.int64)
-        if self.spec.graph == "gqa-shared":
-            logits = self._run_shared(cache, tokens, mask)
-        else:
-            logits = self._run_concat(cache, tokens, mask)
+        try:
+            if self.spec.graph == "gqa-shared":
+                logits = self._run_shared(cache, tokens, mask)
+            else:
+                logits = self._run_concat(cache, tokens, mask)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ModelError(
+                f"the {self.name} model ({self.spec.path}) failed to run ({first[:300]}); "
+                "the pair may not match this specedge version: re-export it"
+            ) from None
         cache.lengths = lengths + new
         self.calls += 1
         if not math.isfinite(float(logits.sum(dtype=np.float64))):

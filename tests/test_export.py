@@ -143,3 +143,19 @@ def test_validation_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(SpecEdgeError, match="differs from torch"):
         _export(hf, tmp_path / "out")
     _no_leftovers(tmp_path / "out")
+
+
+def test_fp16_needs_a_gpu_provider(tmp_path: Path) -> None:
+    with pytest.raises(SpecEdgeError, match="--provider cuda"):
+        _export(tmp_path / "whatever", tmp_path / "out", precision="fp16")
+
+
+def test_fp16_for_cuda_exports_and_validates_on_cpu(work: Path) -> None:
+    from specedge.exporter.tiny import make_tiny_model
+
+    hf = work / "llama-fp16"
+    make_tiny_model("llama", hf, seed=4)
+    report = _export(hf, work / "fp16-pair", precision="fp16", provider="cuda")
+    target = report.manifest.target
+    assert target.precision == "fp16" and target.kv.dtype == "float16"
+    assert target.validation["passed"] and target.validation["tolerance"] == 5e-2
