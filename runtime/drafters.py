@@ -60,6 +60,7 @@ class ModelDrafter:
     def __init__(self, model: OrtModel, cache: KVCache) -> None:
         self.model, self.cache = model, cache
         self.fed: list[int] = []  # the tokens whose keys/values are in the cache
+        self.stable = 0  # fed[:stable] equals the committed tokens
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams,
                 rng: np.random.Generator) -> Proposal:
@@ -99,10 +100,11 @@ class ModelDrafter:
 
     def commit(self, tokens: list[int]) -> None:
         keep = min(len(self.fed), len(tokens) - 1)
-        n = 0
+        n = min(self.stable, keep)  # fed[:stable] is known to be committed: skip it
         while n < keep and self.fed[n] == tokens[n]:
             n += 1
         del self.fed[n:]
+        self.stable = n
         self.cache.rollback(n)
 
 

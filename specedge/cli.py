@@ -267,6 +267,72 @@ def chat(pair: Path, max_new_tokens: int, temperature: float, top_k: int, top_p:
 
 @main.command()
 @click.argument("pair", type=click.Path(path_type=Path))
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), default=None,
+              help="Prompt file: .txt (one per line) or .jsonl ({\"prompt\": ...}).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--ks", default="1,2,3,4,5,6,7,8", show_default=True, help="Draft lengths to sweep.")
+@click.option("--no-adaptive", is_flag=True, help="Skip the adaptive-K setting.")
+@click.option("--drafter", default="model", show_default=True,
+              type=click.Choice(["model", "ngram", "hybrid"]))
+@click.option("--repeats", default=3, show_default=True, type=int)
+@click.option("--warmup", default=1, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--plain", is_flag=True, help="Plain prompts (no chat template).")
+@click.option("--providers", default="cpu", show_default=True)
+@click.option("--threads", default=None, help="Intra-op threads, or TARGET,DRAFT.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
+              help="Write the full report as JSON.")
+@click.option("--plot", "plot_out", type=click.Path(path_type=Path), default=None,
+              help="Write a PNG of tokens/s and acceptance against K (needs matplotlib).")
+@clean_errors
+def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: str, no_adaptive: bool,
+          drafter: str, repeats: int, warmup: int, temperature: float, plain: bool,
+          providers: str, threads: str | None, json_out: Path | None,
+          plot_out: Path | None) -> None:
+    """Measure PAIR: target only, K sweep and adaptive K, with predicted speed-ups."""
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from specedge.runtime import bench as b
+    from specedge.runtime.errors import InputError
+
+    try:
+        k_list = tuple(int(k) for k in ks.split(",") if k.strip())
+    except ValueError:
+        raise InputError(f"--ks {ks!r}: give comma-separated integers") from None
+    options = b.BenchOptions(
+        prompts=b.read_prompts(prompts_file) if prompts_file else b.DEFAULT_PROMPTS,
+        max_new_tokens=max_new_tokens, ks=k_list, adaptive=not no_adaptive, drafter=drafter,
+        repeats=repeats, warmup=warmup, chat=not plain, temperature=temperature)
+    loaded = _load_pair(pair, providers, threads, False)
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("bench", total=b.total_generations(loaded, options))
+        report = b.run_bench(loaded, options,
+                             lambda label, n: progress.update(task, advance=n,
+                                                              description=label))
+    table = Table(title=f"specedge bench {pair} ({len(options.prompts)} prompts x "
+                        f"{options.max_new_tokens} tokens, {options.repeats} repeats)")
+    for h in b.HEADERS:
+        table.add_column(h)
+    for row in b.format_rows(report):
+        table.add_row(*row)
+    Console(width=200).print(table)
+    c = report.costs
+    click.echo(f"target call: {1000 * c.target[1]:.2f} ms for 1 token at a past of "
+               f"{c.past_len}; draft step: "
+               + (f"{1000 * c.draft_step:.2f} ms ({c.draft_step / c.target[1]:.2f} of the "
+                  "target)" if c.draft_step else "no draft model"))
+    if json_out:
+        json_out.write_text(json.dumps(report.to_json(), indent=2))
+        click.echo(f"wrote {json_out}")
+    if plot_out:
+        written = b.plot(report, plot_out)
+        click.echo(f"wrote {written}" if written else "matplotlib is not installed: no plot")
+
+
+@main.command()
+@click.argument("pair", type=click.Path(path_type=Path))
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check.")
 @clean_errors
 def inspect(pair: Path, no_verify: bool) -> None:
