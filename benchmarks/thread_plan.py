@@ -33,33 +33,54 @@ def run(pair: Pair, drafter: str, k: int, adaptive: bool) -> tuple[float, float]
     return tokens / seconds, accepted / proposed if proposed else 0.0
 
 
-def main(pair_dir: str, out: str | None) -> None:
-    cores = physical_cores()
+def plans(cores: int) -> dict[str, ThreadPlan]:
     cpu = lambda n, spin: SessionConfig(intra_op_threads=n, allow_spinning=spin)  # noqa: E731
-    plans = {
-        "default (target all cores + spin, draft cores-1 no spin)": plan_threads(),
+    return {
+        "default: one shared global pool, all cores, spinning": plan_threads(),
+        "target all cores + spin, draft cores-1 no spin": plan_threads(target_threads=cores,
+                                                                       draft_threads=0),
         f"both {cores} threads, both spin": ThreadPlan(cpu(cores, True), cpu(cores, True)),
         f"both {cores} threads, no spin": ThreadPlan(cpu(cores, False), cpu(cores, False)),
         f"target {cores} no spin, draft 1 no spin": ThreadPlan(cpu(cores, False), cpu(1, False)),
     }
+
+
+def measure(pair_dir: str, name: str) -> str:
+    """One plan, in this process (the global pool is process-wide, so one plan per process)."""
+    pair = Pair.load(pair_dir, plan=plans(physical_cores())[name], verify_hashes=False)
+    run(pair, "none", 1, False)  # warm-up
+    base = run(pair, "none", 1, False)[0]
+    cells = [f"{base:.1f}"]
+    for k in (2, 3, 4):
+        tps, acc = run(pair, "model", k, False)
+        cells.append(f"{tps:.1f} ({tps / base:.2f}x, acc {acc:.2f})")
+    tps, acc = run(pair, "model", 6, True)
+    cells.append(f"{tps:.1f} ({tps / base:.2f}x)")
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def main(pair_dir: str, out: str | None) -> None:
+    import subprocess
+
+    cores = physical_cores()
     lines = [f"# Thread plans on {cores} cores ({platform.processor() or platform.machine()}),"
              f" {time.strftime('%Y-%m-%d')}", "",
-             "| plan | target only | K=2 | K=3 | K=4 | adaptive |", "|---|---|---|---|---|---|"]
-    for name, plan in plans.items():
-        pair = Pair.load(pair_dir, plan=plan, verify_hashes=False)
-        run(pair, "none", 1, False)  # warm-up
-        base = run(pair, "none", 1, False)[0]
-        cells = [f"{base:.1f}"]
-        for k in (2, 3, 4):
-            tps, acc = run(pair, "model", k, False)
-            cells.append(f"{tps:.1f} ({tps / base:.2f}x, acc {acc:.2f})")
-        tps, acc = run(pair, "model", 6, True)
-        cells.append(f"{tps:.1f} ({tps / base:.2f}x)")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+             "Greedy, 3 chat prompts x 128 new tokens, decode tokens/s (prefill excluded), one "
+             "process per plan, one warm-up pass. "
+             f"`python benchmarks/thread_plan.py {pair_dir} {out or ''}`", "",
+             "| plan | target only | K=2 | K=3 | K=4 | adaptive (K<=6) |",
+             "|---|---|---|---|---|---|"]
+    for name in plans(cores):
+        row = subprocess.run([sys.executable, __file__, "--one", pair_dir, name],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        lines.append(row.splitlines()[-1])
         print(lines[-1], flush=True)
     if out:
         Path(out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
+    if sys.argv[1] == "--one":
+        print(measure(sys.argv[2], sys.argv[3]))
+    else:
+        main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

@@ -12,6 +12,7 @@ of the cache each call; it exists for graphs the GQA builder cannot produce.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ PROVIDERS = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class SessionConfig:
         graph_optimization: "all", "extended", "basic" or "disable".
         device_id: GPU ordinal for CUDA / TensorRT.
         trt_cache_dir: where the TensorRT EP keeps its engine cache (inside the pair folder).
+        shared_pool: run on the process-wide ONNX Runtime thread pool (created on first use
+            with `intra_op_threads` threads) instead of a pool per session. Sessions that take
+            turns on the same cores then share one set of spinning threads and never fight.
     """
 
     provider: str = "cpu"
@@ -52,6 +57,7 @@ class SessionConfig:
     graph_optimization: str = "all"
     device_id: int = 0
     trt_cache_dir: str | None = None
+    shared_pool: bool = False
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDERS:
@@ -77,10 +83,34 @@ def physical_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+_global_pool_threads: int | None = None
+
+
+def _ensure_global_pool(threads: int) -> int:
+    """Create the process-wide intra-op pool once (later calls reuse it, whatever they ask)."""
+    global _global_pool_threads
+    if _global_pool_threads is None:
+        from onnxruntime.capi import _pybind_state
+
+        _pybind_state.set_global_thread_pool_sizes(threads or physical_cores(), 1)
+        _global_pool_threads = threads or physical_cores()
+    return _global_pool_threads
+
+
 def _session_options(config: SessionConfig) -> ort.SessionOptions:
     so = ort.SessionOptions()
-    so.intra_op_num_threads = config.intra_op_threads
-    so.inter_op_num_threads = 1
+    if config.shared_pool or _global_pool_threads is not None:
+        # Once the process-wide pool exists ONNX Runtime refuses per-session pools, so every
+        # later session joins it (explicit thread counts are then ignored, and logged).
+        if not config.shared_pool and config.intra_op_threads:
+            log.warning("intra_op_threads=%d ignored: this process already runs ONNX Runtime "
+                        "sessions on the shared %d-thread pool", config.intra_op_threads,
+                        _global_pool_threads)
+        _ensure_global_pool(config.intra_op_threads)
+        so.use_per_session_threads = False
+    else:
+        so.intra_op_num_threads = config.intra_op_threads
+        so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = {
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,

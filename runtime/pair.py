@@ -93,10 +93,11 @@ def plan_threads(target_provider: str = "cpu", draft_provider: str = "cpu",
                  cores: int | None = None) -> ThreadPlan:
     """Thread settings that keep two models from fighting over the same cores.
 
-    The draft and the target run one after the other, never together. A spinning idle session
-    burns the cores the busy one needs (two spinning 2-thread sessions on 2 cores made
-    speculative decoding slower than target only), so only the target spins. A model on a GPU
-    gets one host thread.
+    The draft and the target run one after the other, never together. Two sessions with their
+    own spinning pools fight (two spinning 2-thread sessions on 2 cores made speculative
+    decoding 0.6x of target only); so by default both CPU models share ONNX Runtime's global
+    thread pool (all cores, spinning). With explicit thread counts, each session gets its own
+    pool and only the target spins. A model on a GPU gets one host thread.
     """
     cores = cores or physical_cores()
 
@@ -106,10 +107,16 @@ def plan_threads(target_provider: str = "cpu", draft_provider: str = "cpu",
         return SessionConfig(provider="cpu", intra_op_threads=threads or default,
                              allow_spinning=spin)
 
-    # Measured on 2 cores (README, "Thread plan"): target on every core with spinning, the
-    # draft (small, latency-bound) on cores - 1 threads without spinning, so that it never
-    # busy-waits on the cores the target is about to use. Two spinning 2-thread sessions lost
-    # 40% of the speed.
+    if target_provider == draft_provider == "cpu" and not (target_threads or draft_threads):
+        # Measured on 2 cores (docs/results/thread_plan.md): one process-wide pool of `cores`
+        # spinning threads shared by both sessions beat every per-session split, because the
+        # draft and the target take turns and each gets every core with no wake-up latency.
+        shared = SessionConfig(provider="cpu", intra_op_threads=cores, allow_spinning=True,
+                               shared_pool=True)
+        return ThreadPlan(shared, shared)
+    # Explicit thread counts or a GPU model: per-session pools. The target spins on all cores;
+    # a CPU draft next to a CPU target uses cores - 1 threads and never spins, so it does not
+    # busy-wait on the cores the target is about to use.
     shared_cpu = target_provider == draft_provider == "cpu"
     draft_default = max(1, cores - 1) if shared_cpu else cores
     return ThreadPlan(one(target_provider, target_threads, True, cores),

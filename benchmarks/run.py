@@ -1,0 +1,310 @@
+"""specedge against the systems users would pick instead, on the same files, in one run.
+
+Usage: python benchmarks/run.py PAIR [--prompts benchmarks/prompts.jsonl] [--max-new-tokens 128]
+                                [--hf-prompts 6] [--out docs/results/benchmarks.md]
+
+1. Greedy, every prompt of the set, the configurations interleaved prompt by prompt (so drift
+   hits all alike): specedge target-only / K=2 / K=3 / adaptive (default thread plan); ONNX
+   Runtime GenAI 0.18 target-only and speculative (its `model.draft` block) on the SAME ONNX files
+   (they are its own model builder's output), at its best thread settings (target 2 threads,
+   draft 1) and at its defaults.
+2. Sampled (temperature 0.7, top-p 0.9): specedge target-only and K=2.
+3. Hugging Face transformers `generate`, target-only and `assistant_model` (an int8 dynamic copy
+   of the target), on the first --hf-prompts prompts, with specedge on the same prompts. torch is
+   imported only in this phase, after everything else.
+Every figure is end to end per generation (prefill + decode, new tokens / seconds); decode-only
+figures are given for specedge and ORT GenAI too. Writes a markdown report and a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from anchors import ort_genai  # noqa: E402
+
+from specedge.runtime.pair import GenerationConfig, Pair  # noqa: E402
+from specedge.runtime.sampling import SamplingParams  # noqa: E402
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def load_prompts(path: Path) -> list[dict[str, str]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Tally:
+    """Per-configuration sums."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.tokens: dict[str, list[list[int]]] = defaultdict(list)
+
+    def add(self, name: str, new: int, prefill: float, decode: float, accepted: float = 0,
+            proposed: float = 0, tokens: list[int] | None = None) -> None:
+        d = self.data[name]
+        d["new"] += new
+        d["prefill"] += prefill
+        d["decode"] += decode
+        d["accepted"] += accepted
+        d["proposed"] += proposed
+        d["runs"] += 1
+        if tokens is not None:
+            self.tokens[name].append(tokens)
+
+    def row(self, name: str) -> dict[str, float]:
+        d = self.data[name]
+        return {"e2e": d["new"] / (d["prefill"] + d["decode"]),
+                "decode": d["new"] / d["decode"],
+                "acceptance": d["accepted"] / d["proposed"] if d["proposed"] else float("nan"),
+                "new_tokens": d["new"], "runs": d["runs"]}
+
+
+def ours_run(pair: Pair, tally: Tally, name: str, ids: list[int], cfg: GenerationConfig) -> None:
+    out, _, st = pair.generate_ids(ids, cfg)
+    tally.add(name, st.new_tokens, st.prefill_s, st.decode_s, st.accepted, st.proposed, out)
+
+
+def genai_run(model: Any, config: dict[str, Any], tally: Tally, name: str, ids: list[int],
+              max_new: int, k: int | None) -> None:
+    r = ort_genai.run_one(model, config, ids, max_new, num_draft_tokens=k)
+    tally.add(name, r.new_tokens, r.prefill_seconds, r.seconds, r.accepted or 0,
+              r.proposed or 0, r.tokens)
+
+
+def runtime_process_facts(pair_dir: Path) -> dict[str, Any]:
+    """Import time, peak RSS and torch's absence for the runtime alone, in a fresh process."""
+    code = (
+        "import time,sys,resource; t=time.perf_counter();"
+        "from specedge.runtime.pair import Pair, GenerationConfig; imp=time.perf_counter()-t;"
+        f"p=Pair.load({str(pair_dir)!r});"
+        "r=p.generate('Explain how a hash table works.', GenerationConfig(max_new_tokens=64,"
+        " chat=True));"
+        "print(imp, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024,"
+        " 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    return {"import_s": float(out[0]), "peak_rss_mb": float(out[1]),
+            "torch_loaded": out[2] == "True", "transformers_loaded": out[3] == "True"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("pair", type=Path)
+    ap.add_argument("--prompts", type=Path, default=ROOT / "benchmarks" / "prompts.jsonl")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--hf-prompts", type=int, default=6)
+    ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "benchmarks.md")
+    args = ap.parse_args()
+    started = time.time()
+    prompts = load_prompts(args.prompts)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    facts = runtime_process_facts(args.pair)
+    pair = Pair.load(args.pair)
+    ids = [pair.encode_prompt(p["prompt"], chat=True) for p in prompts]
+    max_new = args.max_new_tokens
+    rss: dict[str, float] = {"before": rss_mb()}
+    tmp = Path(tempfile.mkdtemp(prefix="specedge-bench-"))
+    folders = {
+        "genai_target_best": ort_genai.make_genai_folder(args.pair, tmp / "t2", draft=False,
+                                                         target_threads=2, draft_threads=None),
+        "genai_spec_best": ort_genai.make_genai_folder(args.pair, tmp / "s21", draft=True,
+                                                       target_threads=2, draft_threads=1),
+        "genai_target_default": ort_genai.make_genai_folder(args.pair, tmp / "td", draft=False,
+                                                            target_threads=None,
+                                                            draft_threads=None),
+        "genai_spec_default": ort_genai.make_genai_folder(args.pair, tmp / "sd", draft=True,
+                                                          target_threads=None,
+                                                          draft_threads=None),
+    }
+    genai = {k: ort_genai.load(v) for k, v in folders.items()}
+    rss["after_load"] = rss_mb()
+    greedy = SamplingParams()
+    ours_cfgs = {
+        "specedge target-only": GenerationConfig(max_new_tokens=max_new, drafter="none"),
+        "specedge K=2": GenerationConfig(max_new_tokens=max_new, num_draft_tokens=2,
+                                         adaptive=False),
+        "specedge K=3": GenerationConfig(max_new_tokens=max_new, num_draft_tokens=3,
+                                         adaptive=False),
+        "specedge adaptive (K≤6)": GenerationConfig(max_new_tokens=max_new, num_draft_tokens=6,
+                                                   adaptive=True),
+    }
+    genai_cfgs = [
+        ("ORT GenAI target-only, 2 threads", "genai_target_best", None),
+        ("ORT GenAI K=2, target 2 / draft 1 threads", "genai_spec_best", 2),
+        ("ORT GenAI K=3, target 2 / draft 1 threads", "genai_spec_best", 3),
+        ("ORT GenAI target-only, default threads", "genai_target_default", None),
+        ("ORT GenAI K=2, default threads", "genai_spec_default", 2),
+    ]
+    tally = Tally()
+    # Warm-up: one generation per configuration.
+    for cfg in ours_cfgs.values():
+        pair.generate_ids(ids[0], cfg)
+    for _, key, k in genai_cfgs:
+        ort_genai.run_one(*genai[key], ids[0], 16, num_draft_tokens=k)
+    # Phase 1: greedy, interleaved prompt by prompt.
+    for n, prompt_ids in enumerate(ids):
+        for name, cfg in ours_cfgs.items():
+            ours_run(pair, tally, name, prompt_ids, cfg)
+        for name, key, k in genai_cfgs:
+            genai_run(*genai[key], tally, name, prompt_ids, max_new, k)
+        print(f"greedy {n + 1}/{len(ids)} done ({time.time() - started:.0f} s)", flush=True)
+    # Phase 2: sampled, specedge only.
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
+    for prompt_ids in ids:
+        ours_run(pair, tally, "specedge sampled target-only", prompt_ids,
+                 GenerationConfig(max_new_tokens=max_new, drafter="none", sampling=sampled))
+        ours_run(pair, tally, "specedge sampled K=2", prompt_ids,
+                 GenerationConfig(max_new_tokens=max_new, num_draft_tokens=2, adaptive=False,
+                                  sampling=sampled))
+    print(f"sampled done ({time.time() - started:.0f} s)", flush=True)
+    # Exactness across systems (greedy): identical token streams?
+    base = tally.tokens["specedge target-only"]
+    agree = {name: sum(a == b for a, b in zip(tally.tokens[name], base, strict=True))
+             for name in list(ours_cfgs) + [c[0] for c in genai_cfgs]}
+    del genai
+    # Phase 3: transformers (imports torch), on a subset, with specedge on the same prompts.
+    hf_rows: dict[str, dict[str, float]] = {}
+    hf_note = ""
+    if args.hf_prompts:
+        from anchors import hf_transformers as hf
+
+        sub = ids[: args.hf_prompts]
+        runner = hf.HFRunner(hf.reference_hf_folder(tmp / "hf"), threads=2)
+        hf_note = runner.assistant_note or f"assistant: {runner.assistant_kind}"
+        runner.warmup()
+        hf_tally = Tally()
+        for prompt_ids in sub:
+            ours_run(pair, hf_tally, "specedge target-only", prompt_ids,
+                     ours_cfgs["specedge target-only"])
+            ours_run(pair, hf_tally, "specedge K=2", prompt_ids, ours_cfgs["specedge K=2"])
+            for assisted in (False, True):
+                (r,) = runner.run([prompt_ids], max_new, assisted=assisted,
+                                  num_assistant_tokens=None)
+                name = "transformers assisted (int8 assistant)" if assisted else \
+                    "transformers target-only"
+                hf_tally.add(name, r.new_tokens, 0.0, r.seconds)
+        hf_rows = {name: hf_tally.row(name) for name in hf_tally.data}
+        rss["after_transformers"] = rss_mb()
+    write_report(args, prompts, tally, agree, hf_rows, hf_note, facts, rss,
+                 time.time() - started, greedy)
+
+
+def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally: Tally,
+                 agree: dict[str, int], hf_rows: dict[str, dict[str, float]], hf_note: str,
+                 facts: dict[str, Any], rss: dict[str, float], seconds: float,
+                 _greedy: SamplingParams) -> None:
+    rows = {name: tally.row(name) for name in tally.data}
+    genai_t = rows["ORT GenAI target-only, 2 threads"]["e2e"]
+    ours_t = rows["specedge target-only"]["e2e"]
+    cats: dict[str, int] = defaultdict(int)
+    for p in prompts:
+        cats[p.get("category", "?")] += 1
+    lines = [
+        "# specedge vs ONNX Runtime GenAI vs transformers",
+        "",
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {seconds / 60:.1f} min, "
+        f"`python benchmarks/run.py {args.pair} --max-new-tokens {args.max_new_tokens} "
+        f"--hf-prompts {args.hf_prompts}`.",
+        f"Machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+        f"Python {platform.python_version()}, Linux {platform.release()}.",
+        f"Pair: {args.pair} (SmolLM2-135M-Instruct fp32 target + int4 self-draft, both written "
+        "by ORT GenAI's own model builder, so ORT GenAI runs exactly these files).",
+        f"Prompts: {len(prompts)} from {args.prompts.name} ("
+        + ", ".join(f"{c} {n}" for c, n in cats.items())
+        + f"), chat template, up to {args.max_new_tokens} new tokens, batch 1.",
+        "Tokens/s are end to end per generation (prefill + decode); decode-only next to them. "
+        "Configurations are interleaved prompt by prompt.",
+        "",
+        "## Greedy",
+        "",
+        "| configuration | tok/s e2e | tok/s decode | × own target-only | × ORT GenAI target-only "
+        "(2 thr) | acceptance | identical to specedge target-only |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    own = {"specedge": ours_t, "ORT GenAI": genai_t,
+           "ORT GenAI default": rows["ORT GenAI target-only, default threads"]["e2e"]}
+    for name in list(agree):
+        r = rows[name]
+        base = own["specedge"] if name.startswith("specedge") else (
+            own["ORT GenAI default"] if "default" in name else own["ORT GenAI"])
+        acc = "–" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}"
+        lines.append(f"| {name} | {r['e2e']:.1f} | {r['decode']:.1f} | {r['e2e'] / base:.2f} | "
+                     f"{r['e2e'] / genai_t:.2f} | {acc} | {agree[name]}/{len(prompts)} |")
+    best_ours = max((n for n in rows if n.startswith("specedge K") or "adaptive" in n),
+                    key=lambda n: rows[n]["e2e"])
+    best_genai = max((n for n in rows if n.startswith("ORT GenAI K") and "default" not in n),
+                     key=lambda n: rows[n]["e2e"])
+    lines += [
+        "",
+        "## The bar",
+        "",
+        f"- Target-only: specedge {ours_t:.1f} vs ORT GenAI {genai_t:.1f} tok/s: "
+        f"**{ours_t / genai_t:.2f}×** (bar ≥ 1.0×).",
+        f"- Speculative, best of each: specedge {best_ours} {rows[best_ours]['e2e']:.1f} vs "
+        f"{best_genai} {rows[best_genai]['e2e']:.1f} tok/s: "
+        f"**{rows[best_ours]['e2e'] / rows[best_genai]['e2e']:.2f}×** (bar ≥ 1.05×).",
+    ]
+    if hf_rows:
+        hf_a = hf_rows["transformers assisted (int8 assistant)"]["e2e"]
+        lines += [
+            f"- transformers, on the first {args.hf_prompts} prompts ({hf_note}): target-only "
+            f"{hf_rows['transformers target-only']['e2e']:.1f}, assisted {hf_a:.1f} tok/s; "
+            f"specedge K=2 on the same prompts {hf_rows['specedge K=2']['e2e']:.1f} "
+            f"(**{hf_rows['specedge K=2']['e2e'] / hf_a:.1f}×** assisted; bar ≥ 3×), "
+            f"specedge target-only {hf_rows['specedge target-only']['e2e']:.1f}.",
+        ]
+    lines += [
+        f"- Runtime process alone (fresh process: import, load, one 64-token generation): import "
+        f"{facts['import_s']:.2f} s, peak RSS {facts['peak_rss_mb']:.0f} MiB, torch loaded: "
+        f"{facts['torch_loaded']}, transformers loaded: {facts['transformers_loaded']}.",
+        f"- RSS of this benchmark process: {rss['before']:.0f} MiB with the specedge pair loaded, "
+        f"{rss['after_load']:.0f} MiB after loading the four ORT GenAI configurations"
+        + (f", {rss['after_transformers']:.0f} MiB after transformers"
+           if "after_transformers" in rss else "") + ".",
+        "",
+        "## Sampled (temperature 0.7, top-p 0.9, seeded)",
+        "",
+        "| configuration | tok/s e2e | tok/s decode | acceptance |",
+        "|---|---|---|---|",
+    ]
+    for name in ("specedge sampled target-only", "specedge sampled K=2"):
+        r = rows[name]
+        acc = "–" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}"
+        lines.append(f"| {name} | {r['e2e']:.1f} | {r['decode']:.1f} | {acc} |")
+    speedups = [rows[n]["e2e"] for n in rows]
+    del speedups
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"rows": rows, "agree": agree, "hf": hf_rows, "facts": facts, "rss": rss,
+         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+         "median_prompt_tokens": statistics.median(len(p["prompt"]) for p in prompts)},
+        indent=2))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
