@@ -79,13 +79,18 @@ class Tally:
                 "new_tokens": d["new"], "runs": d["runs"]}
 
 
+PAUSE_S = 0.1  # lets the previous configuration's spinning threads go to sleep first
+
+
 def ours_run(pair: Pair, tally: Tally, name: str, ids: list[int], cfg: GenerationConfig) -> None:
+    time.sleep(PAUSE_S)
     out, _, st = pair.generate_ids(ids, cfg)
     tally.add(name, st.new_tokens, st.prefill_s, st.decode_s, st.accepted, st.proposed, out)
 
 
 def genai_run(model: Any, config: dict[str, Any], tally: Tally, name: str, ids: list[int],
               max_new: int, k: int | None) -> None:
+    time.sleep(PAUSE_S)
     r = ort_genai.run_one(model, config, ids, max_new, num_draft_tokens=k)
     tally.add(name, r.new_tokens, r.prefill_seconds, r.seconds, r.accepted or 0,
               r.proposed or 0, r.tokens)
@@ -236,7 +241,9 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
         + ", ".join(f"{c} {n}" for c, n in cats.items())
         + f"), chat template, up to {args.max_new_tokens} new tokens, batch 1.",
         "Tokens/s are end to end per generation (prefill + decode); decode-only next to them. "
-        "Configurations are interleaved prompt by prompt.",
+        "Configurations are interleaved prompt by prompt, with a 0.1 s pause before each "
+        "generation so that the previous configuration's spinning ONNX Runtime threads are "
+        "asleep (all systems share one process and two cores).",
         "",
         "## Greedy",
         "",

@@ -198,6 +198,7 @@ class OrtModel:
                 f"{path}: ONNX Runtime could not load the {name} model ({first[:300]}); the file "
                 "may be truncated or corrupt: re-export the pair"
             ) from None
+        self.vocab_ids = self._load_vocab_ids(root)
         self._check_io()
         self._kv_names = [
             (spec.kv.past_key.format(i=i), spec.kv.present_key.format(i=i))
@@ -207,6 +208,22 @@ class OrtModel:
             for i in range(spec.num_layers)
         ]
         self.calls = 0
+
+    def _load_vocab_ids(self, root: Path) -> np.ndarray | None:
+        """Token ids the logits cover, for a reduced-vocabulary draft head (None: all)."""
+        if self.spec.vocab_ids is None:
+            return None
+        path = root / self.spec.vocab_ids
+        try:
+            ids = np.load(path, allow_pickle=False)  # never unpickle
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"{path}: unreadable vocabulary subset ({exc}); re-export") from None
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or \
+                ids.min() < 0 or ids.max() >= self.spec.vocab_size or \
+                (np.diff(ids) <= 0).any():
+            raise ModelError(f"{path}: the vocabulary subset must be sorted unique token ids "
+                             f"in [0, {self.spec.vocab_size}); re-export the pair")
+        return ids.astype(np.int64)
 
     def _check_io(self) -> None:
         spec = self.spec
@@ -226,10 +243,11 @@ class OrtModel:
             )
         logits = next(o for o in self.session.get_outputs() if o.name == spec.logits)
         vocab = logits.shape[-1]
-        if isinstance(vocab, int) and vocab != spec.vocab_size:
+        expected = spec.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
+        if isinstance(vocab, int) and vocab != expected:
             raise ModelError(
-                f"{self.spec.path}: the {self.name} model has a vocabulary of {vocab} but the "
-                f"manifest says {spec.vocab_size}; re-export the pair"
+                f"{self.spec.path}: the {self.name} model has {vocab} logits but the "
+                f"manifest says {expected}; re-export the pair"
             )
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:

@@ -80,11 +80,20 @@ class ModelDrafter:
                 step_seconds += spent
                 step_calls += 1
             self.fed.extend(pending)
+            ids = self.model.vocab_ids  # None, or the token ids a reduced head covers
             if params.greedy:
-                token = int(np.argmax(logits))
+                best = int(np.argmax(logits))
+                token = best if ids is None else int(ids[best])
             else:
                 p = warp_probs(logits, params)
-                token = sample_token(p, rng)
+                pick = sample_token(p, rng)
+                if ids is None:
+                    token = pick
+                else:  # the draft distribution over the full vocabulary: zero off the subset
+                    token = int(ids[pick])
+                    full = np.zeros(self.model.spec.vocab_size)
+                    full[ids] = p
+                    p = full
                 probs.append(p)
             drafts.append(token)
             pending = [token]

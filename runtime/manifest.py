@@ -69,6 +69,7 @@ class ModelSpec:
     logits: str = "logits"
     logits_dtype: str = "float32"
     min_cache_len: int = 1  # e.g. the sliding window: KV buffers are never allocated shorter
+    vocab_ids: str | None = None  # .npy of the token ids the logits cover (reduced-vocab draft)
     validation: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
 
@@ -241,6 +242,15 @@ def _file_map(r: _Reader, name: str, root: Path) -> dict[str, str]:
     return out
 
 
+def _vocab_ids(r: _Reader, root: Path, files: dict[str, str]) -> str | None:
+    rel = r.get("vocab_ids", (str, type(None)), required=False)
+    if rel is not None:
+        confine(root, rel, file=r.file, key=r.key("vocab_ids"))
+        if rel not in files:
+            r.fail(r.key("files"), f"an object that lists {rel!r}", list(files))
+    return rel
+
+
 def _parse_model(r: _Reader, root: Path) -> ModelSpec:
     kv_r = r.sub("kv")
     assert kv_r is not None
@@ -282,6 +292,7 @@ def _parse_model(r: _Reader, root: Path) -> ModelSpec:
         logits=r.get("logits", str),
         logits_dtype=r.choice("logits_dtype", KV_DTYPES),
         min_cache_len=r.int_in("min_cache_len", 1, 1 << 22, required=False, default=1),
+        vocab_ids=_vocab_ids(r, root, files),
         validation=r.get("validation", dict, required=False, default={}),
         source=r.get("source", dict, required=False, default={}),
     )

@@ -81,6 +81,59 @@ def export(target: str, output: Path, draft: str | None, precision: str,
     _print_export(report)
 
 
+@main.command()
+@click.argument("target")
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path))
+@click.option("--prompts", "prompts_file", required=True, type=click.Path(path_type=Path),
+              help="Held-out evaluation prompts (.txt or .jsonl).")
+@click.option("--limit", default=12, show_default=True, type=int,
+              help="Use the first N evaluation prompts.")
+@click.option("--precision", default="fp32", show_default=True,
+              type=click.Choice(["fp32", "int8", "int4"]), help="Target precision.")
+@click.option("--vocab-sizes", default="16384,8192", show_default=True,
+              help="Reduced draft-head vocabularies to try.")
+@click.option("--ks", default="2,3,4", show_default=True)
+@click.option("--max-new-tokens", default=96, show_default=True, type=int)
+@click.option("--force", is_flag=True)
+@clean_errors
+def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: str,
+          vocab_sizes: str, ks: str, max_new_tokens: int, force: bool) -> None:
+    """Build candidate drafters for TARGET, score them on held-out prompts, keep the fastest."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from specedge.exporter.draft_search import DraftSearchOptions, search
+    from specedge.runtime.bench import read_prompts
+    from specedge.runtime.errors import InputError
+
+    try:
+        sizes = tuple(int(v) for v in vocab_sizes.split(",") if v.strip())
+        k_list = tuple(int(k) for k in ks.split(",") if k.strip())
+    except ValueError:
+        raise InputError("--vocab-sizes and --ks take comma-separated integers") from None
+    opts = DraftSearchOptions(target=target, output=output, precision=precision,
+                              vocab_sizes=sizes, ks=k_list, max_new_tokens=max_new_tokens,
+                              eval_prompts=read_prompts(prompts_file)[:limit], force=force)
+    console = Console(stderr=True)
+    with console.status("draft search") as status:
+        table = search(opts, say=lambda msg: status.update(msg))
+    out = Table(title=f"draft candidates for {target} (target only "
+                      f"{table['target_only_tokens_per_s']:.1f} tok/s)")
+    for col in ("candidate", "K", "tok/s", "speed-up", "acceptance", "tokens/round",
+                "draft cost", "build s"):
+        out.add_column(col)
+    for cand in table["candidates"]:
+        for k, row in cand["rows"].items():
+            ratio = cand["draft_cost_ratio"]
+            out.add_row(cand["name"], k, f"{row['tokens_per_s']:.1f}",
+                        f"{row['speedup']:.2f}x", f"{row['acceptance']:.2f}",
+                        f"{row['tokens_per_round']:.2f}",
+                        f"{ratio:.2f}" if ratio else "–", f"{cand['build_s']:.0f}")
+    Console(width=160).print(out)
+    w = table["winner"]
+    click.echo(f"kept: {w['name']} at K={w['k']} ({w['speedup']:.2f}x) -> {output}")
+
+
 def _print_export(report: Any) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -1,0 +1,215 @@
+"""`specedge draft`: build candidate drafters for a target, score them, keep the fastest.
+
+Candidates, each measured on held-out prompts (none assumed):
+- the int4 weight-only self-draft (ORT GenAI builder, RTN, block 32);
+- the same with its LM head restricted to the V' most frequent tokens of calibration text
+  (`draft_head.py`; exact, the draft distribution stays valid);
+- model-free n-gram prompt lookup, and hybrid (n-gram when it hits, the draft model otherwise).
+Calibration text is the target's own greedy output on calibration prompts that are disjoint from
+the evaluation prompts. For every candidate and K the score is the measured decode tokens/s
+over target-only on the same prompts, next to acceptance, tokens per round and the draft's cost.
+The winner's drafter and K become the pair's defaults; the whole table (losers included, with
+build time) goes into the manifest's provenance and is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specedge.runtime.errors import InputError
+from specedge.runtime.manifest import Defaults, load_manifest, sha256_file, write_manifest
+from specedge.runtime.pair import GenerationConfig, Pair
+
+from . import draft_head
+from .pair import ExportOptions, export_pair
+
+CALIBRATION_PROMPTS = (
+    "Tell me about the history of the bicycle.",
+    "How do I make a good cup of coffee at home?",
+    "Write a poem about autumn leaves.",
+    "What are the benefits of regular exercise?",
+    "Explain how the internet works.",
+    "Write a Python function that sorts a list of dictionaries by a key.",
+    "Describe a day in the life of a lighthouse keeper.",
+    "What is the difference between a virus and a bacterium?",
+    "Give me tips for learning a new language.",
+    "Summarize the following text in one sentence.\n\nThe museum reopened after a year of "
+    "repairs with a new wing for modern art, longer opening hours and free entry on Sundays.",
+    "How does a refrigerator keep food cold?",
+    "Write a short dialogue between two friends planning a trip.",
+    "Explain recursion with a simple example in JavaScript.",
+    "What should I pack for a weekend hiking trip?",
+    "Why do cats purr?",
+    "Write a thank-you note to a colleague who helped with a project.",
+)
+
+
+@dataclass(frozen=True)
+class DraftSearchOptions:
+    """What `specedge draft` builds and how it scores."""
+
+    target: str
+    output: Path
+    precision: str = "fp32"
+    vocab_sizes: tuple[int, ...] = (16384, 8192)
+    eval_prompts: tuple[str, ...] = ()
+    calibration_prompts: tuple[str, ...] = CALIBRATION_PROMPTS
+    ks: tuple[int, ...] = (2, 3, 4)
+    max_new_tokens: int = 96
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.eval_prompts:
+            raise InputError("draft search needs evaluation prompts (--prompts FILE)")
+        if set(self.eval_prompts) & set(self.calibration_prompts):
+            raise InputError("evaluation and calibration prompts overlap; keep them disjoint")
+        if any(v < 16 for v in self.vocab_sizes):
+            raise InputError(f"--vocab-sizes must be >= 16, got {self.vocab_sizes}")
+
+
+@dataclass
+class Candidate:
+    name: str
+    folder: Path
+    drafter: str
+    build_s: float
+    rows: dict[int, dict[str, float]] = field(default_factory=dict)  # K -> measurements
+    draft_cost_ratio: float | None = None
+
+    def best(self) -> tuple[int, float]:
+        k = max(self.rows, key=lambda k: self.rows[k]["speedup"])
+        return k, self.rows[k]["speedup"]
+
+
+def _link_pair(src: Path, dst: Path) -> None:
+    """A copy of a pair folder that hard-links the (large) model files."""
+    for path in src.rglob("*"):
+        rel = path.relative_to(src)
+        if path.is_dir():
+            (dst / rel).mkdir(parents=True, exist_ok=True)
+        else:
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, dst / rel)
+            except OSError:
+                shutil.copy2(path, dst / rel)
+
+
+def _vocab_candidate(base: Path, dst: Path, keep: np.ndarray) -> None:
+    manifest = load_manifest(base, verify_hashes=False)
+    assert manifest.draft is not None
+    _link_pair(base, dst)
+    shutil.rmtree(dst / "draft")
+    (dst / "draft").mkdir()
+    draft_head.restrict_lm_head(base / manifest.draft.path, dst / "draft" / "model.onnx", keep)
+    np.save(dst / "draft" / "vocab_ids.npy", keep.astype(np.int64), allow_pickle=False)
+    files = {str(p.relative_to(dst)): sha256_file(p) for p in sorted((dst / "draft").iterdir())}
+    draft = replace(manifest.draft, files=files, vocab_ids="draft/vocab_ids.npy",
+                    validation={**manifest.draft.validation, "vocab_subset": int(len(keep))})
+    write_manifest(replace(manifest, root=dst, draft=draft), dst)
+
+
+def _measure(folder: Path, drafter: str, prompts: list[list[int]], opts: DraftSearchOptions,
+             baseline: float | None) -> tuple[dict[int, dict[str, float]], float, float | None]:
+    from specedge.runtime.bench import measure_costs
+
+    pair = Pair.load(folder, verify_hashes=False)
+
+    def run(cfg: GenerationConfig) -> dict[str, float]:
+        tokens = seconds = acc = prop = rounds = 0.0
+        for ids in prompts:
+            _, _, st = pair.generate_ids(ids, cfg)
+            tokens += st.new_tokens
+            seconds += st.decode_s
+            acc += st.accepted
+            prop += st.proposed
+            rounds += st.rounds
+        return {"tokens_per_s": tokens / seconds, "acceptance": acc / prop if prop else 0.0,
+                "tokens_per_round": tokens / rounds}
+
+    run(GenerationConfig(max_new_tokens=16, drafter="none"))  # warm-up
+    base = baseline or run(GenerationConfig(max_new_tokens=opts.max_new_tokens,
+                                            drafter="none"))["tokens_per_s"]
+    rows = {}
+    for k in opts.ks:
+        r = run(GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter=drafter,
+                                 num_draft_tokens=k, adaptive=False))
+        r["speedup"] = r["tokens_per_s"] / base
+        rows[k] = r
+    costs = measure_costs(pair, reps=9) if pair.draft is not None else None
+    ratio = costs.draft_step / costs.target[1] if costs and costs.draft_step else None
+    return rows, base, ratio
+
+
+def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
+    """Build, score and keep the best drafting for `opts.target`; returns the table."""
+    out = opts.output.expanduser().absolute()
+    if out.exists() and any(out.iterdir()) and not opts.force:
+        raise InputError(f"{out}: folder exists and is not empty; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".specedge-draft-", dir=out.parent))
+    try:
+        t0 = time.perf_counter()
+        say("exporting the target and the int4 self-draft")
+        base = export_pair(ExportOptions(target=opts.target, output=work / "int4",
+                                         precision=opts.precision, draft_precision="int4"))
+        candidates = [Candidate("int4 self-draft", base.folder, "model",
+                                time.perf_counter() - t0)]
+        pair = Pair.load(base.folder, verify_hashes=False)
+        eval_ids = [pair.encode_prompt(p, chat=True) for p in opts.eval_prompts]
+        say("generating calibration text with the target")
+        streams = []
+        for prompt in opts.calibration_prompts:
+            ids = pair.encode_prompt(prompt, chat=True)
+            out_ids, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=128,
+                                                                    drafter="none"))
+            streams.append(ids + out_ids)
+        for size in opts.vocab_sizes:
+            t1 = time.perf_counter()
+            say(f"building the int4 draft with a {size}-token head")
+            keep = draft_head.frequent_tokens(streams, size, pair.manifest.vocab_size,
+                                              always=pair.manifest.eos_token_ids)
+            folder = work / f"int4-v{size}"
+            _vocab_candidate(base.folder, folder, keep)
+            candidates.append(Candidate(f"int4 self-draft, {size}-token head", folder, "model",
+                                        time.perf_counter() - t1))
+        candidates.append(Candidate("n-gram prompt lookup", base.folder, "ngram", 0.0))
+        candidates.append(Candidate("hybrid n-gram + int4", base.folder, "hybrid", 0.0))
+        del pair
+        baseline = None
+        for cand in candidates:
+            say(f"scoring {cand.name}")
+            cand.rows, baseline, cand.draft_cost_ratio = _measure(
+                cand.folder, cand.drafter, eval_ids, opts, baseline)
+        winner = max(candidates, key=lambda c: c.best()[1])
+        k, speedup = winner.best()
+        table = {"target_only_tokens_per_s": baseline, "eval_prompts": len(eval_ids),
+                 "max_new_tokens": opts.max_new_tokens,
+                 "winner": {"name": winner.name, "drafter": winner.drafter, "k": k,
+                            "speedup": speedup},
+                 "candidates": [{"name": c.name, "drafter": c.drafter, "build_s": c.build_s,
+                                 "draft_cost_ratio": c.draft_cost_ratio,
+                                 "rows": {str(k): r for k, r in c.rows.items()}}
+                                for c in candidates]}
+        manifest = load_manifest(winner.folder, verify_hashes=False)
+        final = work / "final"
+        _link_pair(winner.folder, final)
+        write_manifest(replace(manifest, root=final,
+                               defaults=Defaults(drafter=winner.drafter, num_draft_tokens=k,
+                                                 adaptive=manifest.defaults.adaptive),
+                               provenance={**manifest.provenance, "draft_search": table}),
+                       final)
+        if out.exists():
+            shutil.rmtree(out)
+        final.rename(out)
+        return table
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
