@@ -7,14 +7,15 @@ Candidates, each measured on held-out prompts (none assumed):
 - model-free n-gram prompt lookup, and hybrid (n-gram when it hits, the draft model otherwise).
 Calibration text is the target's own greedy output on calibration prompts that are disjoint from
 the evaluation prompts. For every candidate and K the score is the measured decode tokens/s
-over target-only on the same prompts, next to acceptance, tokens per round and the draft's cost.
+over target-only on the same prompts (target-only runs interleaved prompt by prompt with the
+candidate's, so that machine drift cancels), next to acceptance, tokens per round and the
+draft's cost.
 The winner's drafter and K become the pair's defaults; the whole table (losers included, with
 build time) goes into the manifest's provenance and is printed.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -24,32 +25,19 @@ from typing import Any
 
 import numpy as np
 
+from specedge.calibration.data import CALIBRATION_PROMPTS
 from specedge.runtime.errors import InputError
-from specedge.runtime.manifest import Defaults, load_manifest, sha256_file, write_manifest
+from specedge.runtime.manifest import (
+    Defaults,
+    copy_pair,
+    load_manifest,
+    sha256_file,
+    write_manifest,
+)
 from specedge.runtime.pair import GenerationConfig, Pair
 
 from . import draft_head
 from .pair import ExportOptions, export_pair
-
-CALIBRATION_PROMPTS = (
-    "Tell me about the history of the bicycle.",
-    "How do I make a good cup of coffee at home?",
-    "Write a poem about autumn leaves.",
-    "What are the benefits of regular exercise?",
-    "Explain how the internet works.",
-    "Write a Python function that sorts a list of dictionaries by a key.",
-    "Describe a day in the life of a lighthouse keeper.",
-    "What is the difference between a virus and a bacterium?",
-    "Give me tips for learning a new language.",
-    "Summarize the following text in one sentence.\n\nThe museum reopened after a year of "
-    "repairs with a new wing for modern art, longer opening hours and free entry on Sundays.",
-    "How does a refrigerator keep food cold?",
-    "Write a short dialogue between two friends planning a trip.",
-    "Explain recursion with a simple example in JavaScript.",
-    "What should I pack for a weekend hiking trip?",
-    "Why do cats purr?",
-    "Write a thank-you note to a colleague who helped with a project.",
-)
 
 
 @dataclass(frozen=True)
@@ -89,24 +77,10 @@ class Candidate:
         return k, self.rows[k]["speedup"]
 
 
-def _link_pair(src: Path, dst: Path) -> None:
-    """A copy of a pair folder that hard-links the (large) model files."""
-    for path in src.rglob("*"):
-        rel = path.relative_to(src)
-        if path.is_dir():
-            (dst / rel).mkdir(parents=True, exist_ok=True)
-        else:
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, dst / rel)
-            except OSError:
-                shutil.copy2(path, dst / rel)
-
-
 def _vocab_candidate(base: Path, dst: Path, keep: np.ndarray) -> None:
     manifest = load_manifest(base, verify_hashes=False)
     assert manifest.draft is not None
-    _link_pair(base, dst)
+    copy_pair(base, dst)
     shutil.rmtree(dst / "draft")
     (dst / "draft").mkdir()
     draft_head.restrict_lm_head(base / manifest.draft.path, dst / "draft" / "model.onnx", keep)
@@ -117,33 +91,34 @@ def _vocab_candidate(base: Path, dst: Path, keep: np.ndarray) -> None:
     write_manifest(replace(manifest, root=dst, draft=draft), dst)
 
 
-def _measure(folder: Path, drafter: str, prompts: list[list[int]], opts: DraftSearchOptions,
-             baseline: float | None) -> tuple[dict[int, dict[str, float]], float, float | None]:
+def _measure(folder: Path, drafter: str, prompts: list[list[int]], opts: DraftSearchOptions
+             ) -> tuple[dict[int, dict[str, float]], float, float | None]:
+    """Tokens/s of each K and of target-only, interleaved prompt by prompt (drift-fair)."""
     from specedge.runtime.bench import measure_costs
 
     pair = Pair.load(folder, verify_hashes=False)
-
-    def run(cfg: GenerationConfig) -> dict[str, float]:
-        tokens = seconds = acc = prop = rounds = 0.0
-        for ids in prompts:
+    configs: dict[int, GenerationConfig] = {0: GenerationConfig(
+        max_new_tokens=opts.max_new_tokens, drafter="none")}
+    for k in opts.ks:
+        configs[k] = GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter=drafter,
+                                      num_draft_tokens=k, adaptive=False)
+    sums = {k: [0.0, 0.0, 0.0, 0.0, 0.0] for k in configs}  # tokens, s, acc, prop, rounds
+    for cfg in configs.values():  # warm-up
+        pair.generate_ids(prompts[0], GenerationConfig(max_new_tokens=8, drafter=cfg.drafter,
+                                                       num_draft_tokens=cfg.num_draft_tokens))
+    for ids in prompts:
+        for k, cfg in configs.items():
             _, _, st = pair.generate_ids(ids, cfg)
-            tokens += st.new_tokens
-            seconds += st.decode_s
-            acc += st.accepted
-            prop += st.proposed
-            rounds += st.rounds
-        return {"tokens_per_s": tokens / seconds, "acceptance": acc / prop if prop else 0.0,
-                "tokens_per_round": tokens / rounds}
-
-    run(GenerationConfig(max_new_tokens=16, drafter="none"))  # warm-up
-    base = baseline or run(GenerationConfig(max_new_tokens=opts.max_new_tokens,
-                                            drafter="none"))["tokens_per_s"]
+            for i, v in enumerate((st.new_tokens, st.decode_s, st.accepted, st.proposed,
+                                   st.rounds)):
+                sums[k][i] += v
+    base = sums[0][0] / sums[0][1]
     rows = {}
     for k in opts.ks:
-        r = run(GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter=drafter,
-                                 num_draft_tokens=k, adaptive=False))
-        r["speedup"] = r["tokens_per_s"] / base
-        rows[k] = r
+        tokens, seconds, acc, prop, rounds = sums[k]
+        rows[k] = {"tokens_per_s": tokens / seconds, "acceptance": acc / prop if prop else 0.0,
+                   "tokens_per_round": tokens / rounds, "speedup": tokens / seconds / base,
+                   "target_only_tokens_per_s": base}
     costs = measure_costs(pair, reps=9) if pair.draft is not None else None
     ratio = costs.draft_step / costs.target[1] if costs and costs.draft_step else None
     return rows, base, ratio
@@ -184,11 +159,12 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
         candidates.append(Candidate("n-gram prompt lookup", base.folder, "ngram", 0.0))
         candidates.append(Candidate("hybrid n-gram + int4", base.folder, "hybrid", 0.0))
         del pair
-        baseline = None
+        baseline = 0.0
         for cand in candidates:
             say(f"scoring {cand.name}")
-            cand.rows, baseline, cand.draft_cost_ratio = _measure(
-                cand.folder, cand.drafter, eval_ids, opts, baseline)
+            cand.rows, base, cand.draft_cost_ratio = _measure(cand.folder, cand.drafter,
+                                                              eval_ids, opts)
+            baseline = max(baseline, base)
         winner = max(candidates, key=lambda c: c.best()[1])
         k, speedup = winner.best()
         table = {"target_only_tokens_per_s": baseline, "eval_prompts": len(eval_ids),
@@ -201,7 +177,7 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
                                 for c in candidates]}
         manifest = load_manifest(winner.folder, verify_hashes=False)
         final = work / "final"
-        _link_pair(winner.folder, final)
+        copy_pair(winner.folder, final, hardlink=True)
         write_manifest(replace(manifest, root=final,
                                defaults=Defaults(drafter=winner.drafter, num_draft_tokens=k,
                                                  adaptive=manifest.defaults.adaptive),

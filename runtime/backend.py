@@ -169,9 +169,15 @@ class KVCache:
             else:
                 self.host.append(np.zeros(shape, dtype=dtype))
         self._binding: Any = None
+        self._logits: dict[tuple[int, int, int], np.ndarray] = {}
 
     def rollback(self, lengths: np.ndarray | int) -> None:
         """Set the valid length of each row (O(1): nothing is recomputed or copied)."""
+        if isinstance(lengths, int | np.integer) and self.batch == 1:
+            if not 0 <= lengths <= self.lengths[0]:
+                raise AssertionError(f"rollback to {lengths} from {self.lengths}: can only shrink")
+            self.lengths = np.array([lengths], dtype=np.int64)
+            return
         new = np.broadcast_to(np.asarray(lengths, dtype=np.int64), self.lengths.shape)
         if (new > self.lengths).any() or (new < 0).any():
             raise AssertionError(f"rollback to {new} from {self.lengths}: can only shrink")
@@ -199,6 +205,7 @@ class OrtModel:
                 "may be truncated or corrupt: re-export the pair"
             ) from None
         self.vocab_ids = self._load_vocab_ids(root)
+        self.logits_size = spec.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
         self._check_io()
         self._kv_names = [
             (spec.kv.past_key.format(i=i), spec.kv.present_key.format(i=i))
@@ -277,7 +284,10 @@ class OrtModel:
             raise InputError(
                 f"{self.name} model: {total} tokens exceed the context of {cache.max_len}"
             )
-        mask = (np.arange(total)[None, :] < (lengths[:, None] + new)).astype(np.int64)
+        if batch == 1 or (lengths == lengths[0]).all():
+            mask = np.ones((batch, total), dtype=np.int64)
+        else:
+            mask = (np.arange(total)[None, :] < (lengths[:, None] + new)).astype(np.int64)
         try:
             if self.spec.graph == "gqa-shared":
                 logits = self._run_shared(cache, tokens, mask)
@@ -314,6 +324,18 @@ class OrtModel:
         binding.bind_cpu_input(self.spec.attention_mask, mask)
         if self.spec.position_ids:
             binding.bind_cpu_input(self.spec.position_ids, self._positions(cache, tokens.shape[1]))
+        if self.config.provider == "cpu":
+            # Write the logits into a host buffer kept per shape: no per-call allocation, and no
+            # Python wrappers for the 2 * layers present outputs (get_outputs would build them).
+            shape = (tokens.shape[0], tokens.shape[1], self.logits_size)
+            buf = cache._logits.get(shape)
+            if buf is None:
+                buf = cache._logits[shape] = np.empty(shape, dtype=_NP_DTYPES[
+                    self.spec.logits_dtype])
+            binding.bind_output(self.spec.logits, "cpu", 0, buf.dtype, list(shape),
+                                buf.ctypes.data)
+            self.session.run_with_iobinding(binding)
+            return buf.copy()
         binding.bind_output(self.spec.logits, "cpu")
         self.session.run_with_iobinding(binding)
         out = binding.get_outputs()

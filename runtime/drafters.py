@@ -151,7 +151,7 @@ class NgramDrafter:
 class HybridDrafter:
     """N-gram lookup when it proposes at least `min_hit` tokens, the draft model otherwise."""
 
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_hit: int = 2) -> None:
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_hit: int = 3) -> None:
         self.model, self.ngram, self.min_hit = model, ngram, min_hit
 
     def propose(self, tokens: list[int], k: int, params: SamplingParams,

@@ -425,6 +425,30 @@ def write_manifest(manifest: PairManifest, folder: Path) -> Path:
     return out
 
 
+def copy_pair(src: Path, dst: Path, *, hardlink: bool = False) -> None:
+    """Copy a pair folder; `hardlink` links files instead (fast, for short-lived folders).
+
+    Hard links are not the default: the onnx library refuses to read external data from a
+    file with several links (its guard against hard-link attacks).
+    """
+    import os
+    import shutil
+
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_dir():
+            (dst / rel).mkdir(parents=True, exist_ok=True)
+        elif path.is_file() and not path.is_symlink():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            if hardlink:
+                try:
+                    os.link(path, dst / rel)
+                    continue
+                except OSError:
+                    pass
+            shutil.copy2(path, dst / rel)
+
+
 def describe(manifest: PairManifest) -> Mapping[str, Any]:
     """A short summary for `specedge inspect`."""
     out: dict[str, Any] = {"folder": str(manifest.root), "vocab_size": manifest.vocab_size}

@@ -212,7 +212,8 @@ class Pair:
                 "--drafter ngram or export a pair with --draft-precision"
             )
         model = ModelDrafter(self.draft, self.draft.new_cache(1, max_len))
-        return model if name == "model" else HybridDrafter(model, NgramDrafter())
+        # Hybrid trusts only matches of 2+ tokens: a 1-token match is mostly chance.
+        return model if name == "model" else HybridDrafter(model, NgramDrafter(min_ngram=2))
 
     def _adaptive(self, config: GenerationConfig) -> bool:
         """Adaptive k by default, except for seeded sampling.

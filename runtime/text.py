@@ -462,10 +462,12 @@ class Tokenizer:
             raise
         except jinja2.TemplateError as exc:
             raise InputError(f"the chat template failed to render: {exc}") from exc
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError,
+                ZeroDivisionError, RecursionError, MemoryError) as exc:
+            # Templates are untrusted code run in a sandbox: any failure is a clear input error.
             raise InputError(
                 f"the chat template failed to render: {type(exc).__name__}: {exc}"
-            ) from exc
+            ) from None
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True

@@ -134,6 +134,74 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
     click.echo(f"kept: {w['name']} at K={w['k']} ({w['speedup']:.2f}x) -> {output}")
 
 
+@main.command()
+@click.argument("pair", type=click.Path(path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="New pair folder (the source pair is left as it is).")
+@click.option("--method", required=True,
+              type=click.Choice(["int8-dynamic", "int8-minmax", "int8-entropy", "int8-percentile", "int4-rtn",
+                                 "int4-hqq", "int4-kquant", "int4-gptq"]))
+@click.option("--model", "which", default="target", show_default=True,
+              type=click.Choice(["target", "draft"]))
+@click.option("--data", "data_file", type=click.Path(path_type=Path), default=None,
+              help="Calibration text (.txt paragraphs or .jsonl); default: built-in sample.")
+@click.option("--samples", default=16, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--block-size", default=32, show_default=True, type=int)
+@click.option("--exclude", multiple=True, help="MatMul node to keep in float (repeatable).")
+@click.option("--force", is_flag=True)
+@clean_errors
+def quantize(pair: Path, output: Path, method: str, which: str, data_file: Path | None,
+             samples: int, seed: int, block_size: int, exclude: tuple[str, ...],
+             force: bool) -> None:
+    """Quantize the target (or draft) of PAIR with calibration data; print its quality."""
+    from specedge.calibration.data import CalibrationOptions
+    from specedge.calibration.quality import annotate
+    from specedge.calibration.quantize import QuantizeOptions
+    from specedge.calibration.quantize import quantize as run
+
+    opts = QuantizeOptions(pair=pair, output=output, method=method, model=which,
+                           data_file=data_file,
+                           calibration=CalibrationOptions(samples=samples, seed=seed),
+                           block_size=block_size, exclude=exclude, force=force)
+    folder = run(opts, say=lambda msg: click.echo(msg, err=True))
+    report = annotate(pair, folder, which)
+    click.echo(json.dumps(report, indent=2))
+
+
+@main.command()
+@click.argument("pair", type=click.Path(path_type=Path))
+@click.option("--data", "data_file", type=click.Path(path_type=Path), default=None,
+              help="Prompts (.txt or .jsonl); default: the built-in calibration prompts.")
+@click.option("--ks", default="1,2,3,4,5,6", show_default=True)
+@click.option("--drafters", default="model", show_default=True, help="model,ngram,hybrid")
+@click.option("--max-new-tokens", default=96, show_default=True, type=int)
+@click.option("--dry-run", is_flag=True, help="Measure only; do not write the manifest.")
+@clean_errors
+def tune(pair: Path, data_file: Path | None, ks: str, drafters: str, max_new_tokens: int,
+         dry_run: bool) -> None:
+    """Measure drafters and K on prompts and store the fastest as PAIR's defaults."""
+    from specedge.calibration.data import CALIBRATION_PROMPTS
+    from specedge.calibration.tune import TuneOptions, read_prompt_file
+    from specedge.calibration.tune import tune as run
+    from specedge.runtime.errors import InputError
+
+    try:
+        k_list = tuple(int(k) for k in ks.split(",") if k.strip())
+    except ValueError:
+        raise InputError(f"--ks {ks!r}: give comma-separated integers") from None
+    opts = TuneOptions(pair=pair, prompts=read_prompt_file(data_file, CALIBRATION_PROMPTS),
+                       ks=k_list, drafters=tuple(d.strip() for d in drafters.split(",")),
+                       max_new_tokens=max_new_tokens, write=not dry_run)
+    table = run(opts, progress=lambda msg: click.echo(msg, err=True))
+    for r in table["rows"]:
+        acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        click.echo(f"{r['drafter']:>6} K={r['k']}: {r['tokens_per_s']:.1f} tok/s "
+                   f"({r['speedup']:.2f}x), acceptance {acc}")
+    b = table["best"]
+    click.echo(f"best: {b['drafter']} K={b['k']}" + ("" if dry_run else f" -> {pair}"))
+
+
 def _print_export(report: Any) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -1,0 +1,87 @@
+"""`specedge tune`: measure each drafter and K on calibration prompts, store the fastest.
+
+Target-only and every (drafter, K) run on the same prompts, interleaved prompt by prompt so that
+machine drift hits all alike; the score is decode tokens/s. The winner becomes the pair's
+default drafter and K (the manifest is rewritten atomically); `generate` and `bench` use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from specedge.runtime.errors import InputError
+from specedge.runtime.manifest import load_manifest, write_manifest
+from specedge.runtime.pair import GenerationConfig, Pair
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    pair: Path
+    prompts: tuple[str, ...]
+    ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+    drafters: tuple[str, ...] = ("model",)
+    max_new_tokens: int = 96
+    write: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise InputError("tune needs calibration prompts")
+        if any(not 1 <= k <= 64 for k in self.ks):
+            raise InputError(f"--ks values must be in 1..64, got {self.ks}")
+        bad = [d for d in self.drafters if d not in ("model", "ngram", "hybrid")]
+        if bad:
+            raise InputError(f"unknown drafter(s) {bad}; use model, ngram or hybrid")
+
+
+def tune(opts: TuneOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure and (optionally) store the best drafter and K; returns the table."""
+    pair = Pair.load(opts.pair)
+    drafters = [d for d in opts.drafters if d == "ngram" or pair.draft is not None]
+    if not drafters:
+        raise InputError(f"{opts.pair} has no draft model; tune with --drafters ngram")
+    settings: dict[tuple[str, int], GenerationConfig] = {
+        ("none", 0): GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter="none")}
+    for d in drafters:
+        for k in opts.ks:
+            settings[(d, k)] = GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter=d,
+                                                num_draft_tokens=k, adaptive=False)
+    ids = [pair.encode_prompt(p, chat=True) for p in opts.prompts]
+    for cfg in settings.values():  # warm-up
+        pair.generate_ids(ids[0], replace(cfg, max_new_tokens=8))
+    sums = {key: [0.0, 0.0, 0.0, 0.0] for key in settings}
+    for n, prompt_ids in enumerate(ids):
+        for key, cfg in settings.items():
+            _, _, st = pair.generate_ids(prompt_ids, cfg)
+            for i, v in enumerate((st.new_tokens, st.decode_s, st.accepted, st.proposed)):
+                sums[key][i] += v
+        if progress:
+            progress(f"prompt {n + 1}/{len(ids)}")
+    rows = [{"drafter": d, "k": k, "tokens_per_s": s[0] / s[1],
+             "acceptance": s[2] / s[3] if s[3] else None} for (d, k), s in sums.items()]
+    base = rows[0]["tokens_per_s"]
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / base
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    table = {"rows": rows, "best": best, "prompts": len(ids),
+             "max_new_tokens": opts.max_new_tokens}
+    if opts.write:
+        manifest = load_manifest(opts.pair, verify_hashes=False)
+        defaults = manifest.defaults
+        if best["drafter"] == "none":  # speculation does not pay: keep K, turn adaptive on
+            defaults = replace(defaults, adaptive=True)
+        else:
+            defaults = replace(defaults, drafter=best["drafter"], num_draft_tokens=best["k"],
+                               adaptive=False)
+        write_manifest(replace(manifest, defaults=defaults,
+                               provenance={**manifest.provenance, "tune": table}),
+                       Path(opts.pair))
+    return table
+
+
+def read_prompt_file(path: Path | None, fallback: Sequence[str]) -> tuple[str, ...]:
+    from specedge.runtime.bench import read_prompts
+
+    return read_prompts(path) if path is not None else tuple(fallback)

@@ -1,0 +1,130 @@
+"""Calibration: data readers and errors, calibrated quantization, quality report, tune."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from specedge.calibration import data
+from specedge.runtime.errors import InputError, SpecEdgeError
+from specedge.runtime.manifest import load_manifest
+from specedge.runtime.pair import Pair
+
+needs_onnx = pytest.mark.skipif(importlib.util.find_spec("onnx") is None,
+                                reason="quantizers need the onnx package ([export])")
+
+
+def test_read_texts_formats(tmp_path: Path) -> None:
+    assert data.read_texts(None) == list(data.BUILTIN_TEXTS)
+    txt = tmp_path / "a.txt"
+    txt.write_text("first paragraph\nstill first\n\nsecond\n")
+    assert data.read_texts(txt) == ["first paragraph\nstill first", "second"]
+    jl = tmp_path / "a.jsonl"
+    jl.write_text('{"text": "t"}\n{"prompt": "p"}\n'
+                  '{"messages": [{"role": "user", "content": "hi"}]}\n')
+    texts = data.read_texts(jl)
+    assert texts[:2] == ["t", "p"] and json.loads(texts[2])[0]["content"] == "hi"
+
+
+@pytest.mark.parametrize("content, suffix, match", [
+    ("", ".txt", "no calibration text"),
+    ("\n\n\n", ".txt", "no calibration text"),
+    ("not json\n", ".jsonl", ":1: not valid JSON"),
+    ('["a list"]\n', ".jsonl", ":1: expected a JSON object"),
+    ('{"other": 1}\n', ".jsonl", ":1: expected a \"text\""),
+])
+def test_bad_calibration_files(tmp_path: Path, content: str, suffix: str, match: str) -> None:
+    f = tmp_path / f"bad{suffix}"
+    f.write_text(content)
+    with pytest.raises(InputError, match=match):
+        data.read_texts(f)
+
+
+def test_missing_and_binary_calibration_files(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="no such calibration file"):
+        data.read_texts(tmp_path / "nope.txt")
+    b = tmp_path / "b.txt"
+    b.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(InputError, match="cannot read"):
+        data.read_texts(b)
+
+
+def test_calibration_text_longer_than_context(tiny_pair: Pair) -> None:
+    with pytest.raises(InputError, match="more than the context"):
+        data.tokenize(tiny_pair, ["word " * 2000], data.CalibrationOptions())
+
+
+def test_feeds_cover_prefill_and_steps_with_real_past(tiny_pair: Pair,
+                                                      tiny_pair_dir: Path) -> None:
+    opts = data.CalibrationOptions(samples=2, step_sizes=(1, 3))
+    tokens = data.tokenize(tiny_pair, data.BUILTIN_TEXTS, opts)
+    feeds = list(data.model_feeds(tiny_pair_dir, tiny_pair.target, tokens, opts))
+    assert len(feeds) == 2 * 3
+    spec = tiny_pair.manifest.target
+    past = spec.kv.past_key.format(i=0)
+    assert feeds[0][past].shape[2] == 0
+    assert feeds[1][spec.input_ids].shape[1] == 1 and feeds[1][past].shape[2] > 0
+    assert abs(feeds[1][past]).sum() > 0  # real keys, not zeros
+    assert feeds[2][spec.input_ids].shape[1] == 3
+
+
+@needs_onnx
+@pytest.mark.export
+@pytest.mark.parametrize("method", ["int8-minmax", "int4-gptq", "int4-rtn", "int4-hqq"])
+def test_quantize_writes_a_valid_pair_with_a_report(tiny_pair_dir: Path, tmp_path: Path,
+                                                    method: str) -> None:
+    from specedge.calibration.quality import annotate
+    from specedge.calibration.quantize import QuantizeOptions, quantize
+    from specedge.runtime.pair import GenerationConfig
+
+    out = quantize(QuantizeOptions(pair=tiny_pair_dir, output=tmp_path / "q", method=method,
+                                   calibration=data.CalibrationOptions(samples=3)),
+                   say=lambda _m: None)
+    report = annotate(tiny_pair_dir, out, "target", prompts=2)
+    assert report["perplexity"] > 1 and 0 <= report["top1_agreement"] <= 1
+    assert report["kl_mean"] >= 0 and "greedy_vs_reference" in report
+    manifest = load_manifest(out)  # hashes of the new files verify
+    assert manifest.target.precision == ("int8" if method.startswith("int8") else "int4")
+    assert manifest.target.source["quantization"]["method"] == method
+    assert manifest.target.validation["quality"]["perplexity"] == report["perplexity"]
+    pair = Pair.load(out)
+    assert len(pair.generate("The quick", GenerationConfig(max_new_tokens=6)).tokens) == 6
+    assert load_manifest(tiny_pair_dir).target.precision == "fp32"  # source untouched
+
+
+@needs_onnx
+@pytest.mark.export
+def test_quantize_refuses_bad_requests(tiny_pair_dir: Path, tmp_path: Path) -> None:
+    from specedge.calibration.quantize import QuantizeOptions, quantize
+
+    with pytest.raises(InputError, match="--method"):
+        QuantizeOptions(pair=tiny_pair_dir, output=tmp_path / "q", method="int3")
+    with pytest.raises(InputError, match="already int4"):
+        quantize(QuantizeOptions(pair=tiny_pair_dir, output=tmp_path / "q",
+                                 method="int4-rtn", model="draft"), say=lambda _m: None)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(SpecEdgeError, match="no calibration text"):
+        quantize(QuantizeOptions(pair=tiny_pair_dir, output=tmp_path / "q2",
+                                 method="int8-minmax", data_file=empty), say=lambda _m: None)
+    assert not (tmp_path / "q2").exists()
+
+
+def test_tune_picks_the_fastest_measured_setting(tiny_pair_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from specedge.calibration.tune import TuneOptions, tune
+
+    pair_dir = tmp_path / "pair"
+    shutil.copytree(tiny_pair_dir, pair_dir)
+    table = tune(TuneOptions(pair=pair_dir, prompts=("The quick", "def add"), ks=(1, 2, 3),
+                             drafters=("model", "ngram"), max_new_tokens=12))
+    best = max(table["rows"], key=lambda r: r["tokens_per_s"])
+    assert table["best"] == best
+    defaults = load_manifest(pair_dir).defaults
+    if best["drafter"] != "none":
+        assert (defaults.drafter, defaults.num_draft_tokens) == (best["drafter"], best["k"])
+    assert "tune" in load_manifest(pair_dir).provenance

@@ -1,0 +1,59 @@
+"""Ctrl-C during export or generate leaves no temporary files or half-written folders."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _interrupt(cmd: list[str], after: float, cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.export
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs [export]")
+@pytest.mark.parametrize("after", [1.5, 4.0])
+def test_ctrl_c_during_export(tmp_path: Path, after: float) -> None:
+    from specedge.exporter.tiny import make_tiny_model
+
+    hf = make_tiny_model("llama", tmp_path / "hf", seed=5)
+    out = tmp_path / "outdir" / "pair"
+    before = set(os.listdir(tempfile_dir()))
+    result = _interrupt([sys.executable, "-m", "specedge.cli", "export", str(hf), "-o", str(out),
+                         "--draft-precision", "int4"], after, tmp_path)
+    if result.returncode == 0:
+        pytest.skip("the export finished before the interrupt")
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir()] if out.parent.exists() else True
+    leftovers = {p for p in set(os.listdir(tempfile_dir())) - before
+                 if p.startswith("specedge-export-")}
+    assert not leftovers
+
+
+def tempfile_dir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+def test_ctrl_c_during_generate(reference_pair_dir: Path, tmp_path: Path) -> None:
+    result = _interrupt([sys.executable, "-m", "specedge.cli", "generate",
+                         str(reference_pair_dir), "Tell me a very long story.", "--chat",
+                         "--max-new-tokens", "4000"], 4.0, tmp_path)
+    assert result.returncode == 130 and "interrupted" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
