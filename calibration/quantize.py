@@ -55,6 +55,7 @@ class QuantizeOptions:
     block_size: int = 32
     accuracy_level: int = 4
     exclude: tuple[str, ...] = ()
+    symmetric: bool = True  # False: uint8 zero points (asymmetric int4 weights)
     force: bool = False
 
     def __post_init__(self) -> None:
@@ -111,6 +112,15 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
                                  "int4-gptq")
     feeds = list(data.model_feeds(opts.pair, model, token_lists, opts.calibration)) \
         if needs_data else []
+    if opts.method in ("int8-entropy", "int8-percentile") and feeds:
+        # Histogram calibrators stack each tensor's values across inputs, so every input must
+        # have one shape: cut the texts to a common length and keep the 1-token decode steps
+        # after a real past (the shape generation runs most).
+        common = min(len(t) for t in token_lists)
+        cut = [list(t[:common]) for t in token_lists]
+        cal = replace(opts.calibration, max_prefill=common, step_sizes=(1,))
+        feeds = [f for f in data.model_feeds(opts.pair, model, cut, cal)
+                 if f[spec.input_ids].shape[1] == 1]
     say(f"{len(feeds)} calibration inputs from {len(token_lists)} texts" if feeds else
         "no calibration data needed")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -128,6 +138,8 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
         new_spec = replace(spec, files=files, precision=precision,
                            source={**spec.source, "quantization": {
                                "method": opts.method, "block_size": opts.block_size,
+                               "accuracy_level": opts.accuracy_level,
+                               "symmetric": opts.symmetric,
                                "exclude": list(opts.exclude), "seconds": round(seconds, 1),
                                "calibration_inputs": len(feeds),
                                "calibration_texts": len(token_lists),
@@ -161,7 +173,8 @@ def _run_isolated(opts: QuantizeOptions, src: Path, dst: Path, feeds: list[dict[
                             for k, v in feed.items()})
     args = {"src": str(src), "dst": str(dst), "method": opts.method,
             "block_size": opts.block_size, "accuracy_level": opts.accuracy_level,
-            "exclude": list(opts.exclude), "feeds": str(feeds_file)}
+            "exclude": list(opts.exclude), "feeds": str(feeds_file),
+            "symmetric": opts.symmetric}
     proc = subprocess.run([sys.executable, "-m", "specedge.calibration.quantize",
                            json.dumps(args)], capture_output=True, text=True, check=False)
     feeds_file.unlink(missing_ok=True)
@@ -185,7 +198,7 @@ def _main(argv: list[str]) -> int:
     a = json.loads(argv[0])
     opts = QuantizeOptions(pair=Path("."), output=Path("."), method=a["method"],
                            block_size=a["block_size"], accuracy_level=a["accuracy_level"],
-                           exclude=tuple(a["exclude"]))
+                           exclude=tuple(a["exclude"]), symmetric=a["symmetric"])
     try:
         _run_method(opts, Path(a["src"]), Path(a["dst"]), _load_feeds(Path(a["feeds"])))
     except ExportError as exc:
@@ -238,7 +251,7 @@ def _run_method(opts: QuantizeOptions, src: Path, dst: Path, feeds: list[dict[st
             config = nbits.GPTQWeightOnlyQuantConfig(
                 calibration_data_reader=_Reader(feeds), block_size=opts.block_size)
         quant = nbits.MatMulNBitsQuantizer(
-            model, block_size=opts.block_size, is_symmetric=True,
+            model, block_size=opts.block_size, is_symmetric=opts.symmetric,
             accuracy_level=opts.accuracy_level, nodes_to_exclude=list(opts.exclude),
             algo_config=config)
         quant.process()

@@ -149,12 +149,15 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
 @click.option("--samples", default=16, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--block-size", default=32, show_default=True, type=int)
+@click.option("--accuracy-level", default=4, show_default=True, type=click.IntRange(0, 4),
+              help="MatMulNBits compute: 4 = int8 activations, 1 = fp32 (int4 methods).")
 @click.option("--exclude", multiple=True, help="MatMul node to keep in float (repeatable).")
+@click.option("--asymmetric", is_flag=True, help="int4 with zero points (RTN/GPTQ/k-quant).")
 @click.option("--force", is_flag=True)
 @clean_errors
 def quantize(pair: Path, output: Path, method: str, which: str, data_file: Path | None,
-             samples: int, seed: int, block_size: int, exclude: tuple[str, ...],
-             force: bool) -> None:
+             samples: int, seed: int, block_size: int, accuracy_level: int,
+             exclude: tuple[str, ...], asymmetric: bool, force: bool) -> None:
     """Quantize the target (or draft) of PAIR with calibration data; print its quality."""
     from specedge.calibration.data import CalibrationOptions
     from specedge.calibration.quality import annotate
@@ -164,7 +167,8 @@ def quantize(pair: Path, output: Path, method: str, which: str, data_file: Path 
     opts = QuantizeOptions(pair=pair, output=output, method=method, model=which,
                            data_file=data_file,
                            calibration=CalibrationOptions(samples=samples, seed=seed),
-                           block_size=block_size, exclude=exclude, force=force)
+                           block_size=block_size, accuracy_level=accuracy_level,
+                           exclude=exclude, symmetric=not asymmetric, force=force)
     folder = run(opts, say=lambda msg: click.echo(msg, err=True))
     report = annotate(pair, folder, which)
     click.echo(json.dumps(report, indent=2))

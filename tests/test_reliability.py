@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import threading
@@ -109,7 +110,10 @@ def test_soak_short(tiny_pair: Pair) -> None:
     assert last < first * 2.0, (first, last)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = int(os.environ.get("SPECEDGE_FUZZ_EXAMPLES", "150"))  # raise for a long fuzz run
+
+
+@settings(max_examples=FUZZ, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(logits=st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=2,
                        max_size=40),
        temperature=st.floats(0.0, 5.0), top_k=st.integers(0, 50),
@@ -144,7 +148,7 @@ _TEMPLATES = st.sampled_from([
 ])
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=max(80, FUZZ // 2), deadline=None)
 @given(template=_TEMPLATES,
        messages=st.lists(st.fixed_dictionaries({
            "role": st.sampled_from(["user", "assistant", "system", "", "x" * 50]),
