@@ -52,6 +52,7 @@ def _poison(pair_dir: Path, tmp_path: Path, model: str) -> Path:
     return out
 
 
+@pytest.mark.export  # editing the ONNX file needs the onnx package
 @pytest.mark.parametrize("model", ["target", "draft"])
 def test_nan_logits_stop_with_an_error_naming_the_model(tiny_pair_dir: Path, tmp_path: Path,
                                                         model: str) -> None:
