@@ -304,6 +304,9 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
     speedups = [rows[n]["e2e"] for n in rows]
     del speedups
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    notes = Path(str(args.out) + ".notes")
+    if notes.is_file():  # analysis written by hand, kept next to the generated tables
+        lines += ["", notes.read_text().strip()]
     args.out.write_text("\n".join(lines) + "\n")
     args.out.with_suffix(".json").write_text(json.dumps(
         {"rows": rows, "agree": agree, "hf": hf_rows, "facts": facts, "rss": rss,
