@@ -32,7 +32,8 @@ def main(out: Path, pairs: list[Path]) -> None:
         acts = ("int8 (accuracy level 4)" if src.get("accuracy_level", 4) == 4 else "fp32")
         if method.startswith("int8"):
             acts = "int8 per-tensor, " + ("dynamic" if method == "int8-dynamic" else "static")
-        lines.append(f"| {method} | {acts} | {calibrated} | {q.get('perplexity', float('nan')):.2f} "
+        ppl = q.get("perplexity", float("nan"))
+        lines.append(f"| {method} | {acts} | {calibrated} | {ppl:.2f} "
                      f"({q.get('reference_perplexity', float('nan')):.2f}) | "
                      f"{q.get('kl_mean', float('nan')):.4f} | "
                      f"{q.get('top1_agreement', float('nan')):.3f} | {g.get('differ', '?')} | "

