@@ -6,6 +6,9 @@ Methods (`--method`):
 - int8 static QDQ (`quantize_static`): `int8-minmax`, `int8-entropy`, `int8-percentile`. This
   explicit-quantization form is what TensorRT consumes. Activations are calibrated on
   `data.model_feeds` (prefills and steps with a real past).
+- fp16 (`fp16`) with an op block list (attention and norms stay fp32; `--exclude` adds nodes).
+- FP8 E4M3 QDQ (`fp8`; distribution calibration, ORT's only method for float types), for
+  GPUs with FP8 (Hopper, Ada) through TensorRT.
 - int4 weight-only MatMulNBits (`MatMulNBitsQuantizer`): `int4-rtn` (uncalibrated),
   `int4-hqq`, `int4-kquant`, `int4-gptq` (calibrated on the same feeds).
 Mixed precision: `--exclude NODE` (repeatable) keeps those MatMuls in float, e.g. the LM head
@@ -38,8 +41,8 @@ from specedge.runtime.pair import Pair
 
 from . import data
 
-METHODS = ("int8-dynamic", "int8-minmax", "int8-entropy", "int8-percentile", "int4-rtn", "int4-hqq",
-           "int4-kquant", "int4-gptq")
+METHODS = ("fp16", "fp8", "int8-dynamic", "int8-minmax", "int8-entropy", "int8-percentile",
+           "int4-rtn", "int4-hqq", "int4-kquant", "int4-gptq")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,12 @@ class QuantizeOptions:
             raise InputError(f"--model {self.model!r}: use target or draft")
         if self.block_size not in (16, 32, 64, 128, 256):
             raise InputError(f"--block-size {self.block_size}: use 16, 32, 64, 128 or 256")
+
+
+# Ops kept in fp32 by `fp16`: attention (its KV buffers stay fp32 and shared in place) and the
+# RMS norms (reductions that lose precision in fp16).
+FP16_BLOCK_LIST = ("GroupQueryAttention", "SimplifiedLayerNormalization",
+                   "SkipSimplifiedLayerNormalization", "RotaryEmbedding")
 
 
 class _Reader:
@@ -108,11 +117,11 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
     assert model is not None
     texts = data.read_texts(opts.data_file)
     token_lists = data.tokenize(pair, texts, opts.calibration)
-    needs_data = opts.method in ("int8-minmax", "int8-entropy", "int8-percentile",
+    needs_data = opts.method in ("fp8", "int8-minmax", "int8-entropy", "int8-percentile",
                                  "int4-gptq")
     feeds = list(data.model_feeds(opts.pair, model, token_lists, opts.calibration)) \
         if needs_data else []
-    if opts.method in ("int8-entropy", "int8-percentile") and feeds:
+    if opts.method in ("int8-entropy", "int8-percentile", "fp8") and feeds:
         # Histogram calibrators stack each tensor's values across inputs, so every input must
         # have one shape: cut the texts to a common length and keep the 1-token decode steps
         # after a real past (the shape generation runs most).
@@ -134,7 +143,7 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
         _run_isolated(opts, opts.pair / spec.path, folder / "model.onnx", feeds, tmp)
         seconds = time.perf_counter() - start
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(folder.iterdir())}
-        precision = "int8" if opts.method.startswith("int8") else "int4"
+        precision = opts.method.split("-")[0]
         new_spec = replace(spec, files=files, precision=precision,
                            source={**spec.source, "quantization": {
                                "method": opts.method, "block_size": opts.block_size,
@@ -227,6 +236,25 @@ def _run_method(opts: QuantizeOptions, src: Path, dst: Path, feeds: list[dict[st
                              op_types_to_quantize=["MatMul"], use_external_data_format=True,
                              nodes_to_exclude=list(opts.exclude),
                              extra_options={"MatMulConstBOnly": True})
+            return
+        if method == "fp16":
+            from onnxruntime.transformers.float16 import convert_float_to_float16
+
+            model16 = convert_float_to_float16(
+                onnx.load(str(src)), keep_io_types=True, op_block_list=list(FP16_BLOCK_LIST),
+                node_block_list=list(opts.exclude), disable_shape_infer=True)
+            onnx.save(model16, str(dst), save_as_external_data=True,
+                      location=dst.name + ".data")
+            return
+        if method == "fp8":  # FP8 E4M3 QDQ, for GPUs that have FP8 (TensorRT)
+            quantize_static(str(src), str(dst), _Reader(feeds), quant_format=QuantFormat.QDQ,
+                            op_types_to_quantize=["MatMul"],
+                            activation_type=QuantType.QFLOAT8E4M3FN,
+                            weight_type=QuantType.QFLOAT8E4M3FN,
+                            calibrate_method=CalibrationMethod.Distribution,
+                            nodes_to_exclude=list(opts.exclude), use_external_data_format=True,
+                            extra_options={"ActivationSymmetric": True,
+                                           "WeightSymmetric": True, "MatMulConstBOnly": True})
             return
         if method.startswith("int8"):
             calibrate = {"int8-minmax": CalibrationMethod.MinMax,

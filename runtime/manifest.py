@@ -26,7 +26,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "specedge.json"
 
 GRAPH_FORMS = ("gqa-shared", "concat")
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 KV_DTYPES = ("float32", "float16")
 DRAFTERS = ("model", "ngram", "hybrid")
 

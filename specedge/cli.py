@@ -139,7 +139,7 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
               help="New pair folder (the source pair is left as it is).")
 @click.option("--method", required=True,
-              type=click.Choice(["int8-dynamic", "int8-minmax", "int8-entropy",
+              type=click.Choice(["fp16", "fp8", "int8-dynamic", "int8-minmax", "int8-entropy",
                                  "int8-percentile", "int4-rtn", "int4-hqq", "int4-kquant",
                                  "int4-gptq"]))
 @click.option("--model", "which", default="target", show_default=True,

@@ -73,7 +73,8 @@ def test_feeds_cover_prefill_and_steps_with_real_past(tiny_pair: Pair,
 
 @needs_onnx
 @pytest.mark.export
-@pytest.mark.parametrize("method", ["int8-minmax", "int4-gptq", "int4-rtn", "int4-hqq"])
+@pytest.mark.parametrize("method", ["int8-minmax", "int8-percentile", "int4-gptq", "int4-rtn",
+                                    "int4-hqq", "fp8", "fp16"])
 def test_quantize_writes_a_valid_pair_with_a_report(tiny_pair_dir: Path, tmp_path: Path,
                                                     method: str) -> None:
     from specedge.calibration.quality import annotate
@@ -87,7 +88,7 @@ def test_quantize_writes_a_valid_pair_with_a_report(tiny_pair_dir: Path, tmp_pat
     assert report["perplexity"] > 1 and 0 <= report["top1_agreement"] <= 1
     assert report["kl_mean"] >= 0 and "greedy_vs_reference" in report
     manifest = load_manifest(out)  # hashes of the new files verify
-    assert manifest.target.precision == ("int8" if method.startswith("int8") else "int4")
+    assert manifest.target.precision == method.split("-")[0]
     assert manifest.target.source["quantization"]["method"] == method
     assert manifest.target.validation["quality"]["perplexity"] == report["perplexity"]
     pair = Pair.load(out)
