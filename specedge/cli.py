@@ -61,11 +61,19 @@ def main() -> None:
 @click.option("--num-draft-tokens", default=3, show_default=True, type=int,
               help="Default draft length written to the manifest.")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with torch.")
+@click.option("--calibrate", "calibrate_method", default=None,
+              type=click.Choice(["fp16", "fp8", "int8-dynamic", "int8-minmax", "int8-entropy",
+                                 "int8-percentile", "int4-rtn", "int4-hqq", "int4-kquant",
+                                 "int4-gptq"]),
+              help="Then quantize the (fp32) target with this method, as `specedge quantize`.")
+@click.option("--data", "data_file", type=click.Path(path_type=Path), default=None,
+              help="Calibration data for --calibrate (default: built-in sample).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @clean_errors
 def export(target: str, output: Path, draft: str | None, precision: str,
            draft_precision: str | None, provider: str, num_draft_tokens: int,
-           no_validate: bool, force: bool) -> None:
+           no_validate: bool, calibrate_method: str | None, data_file: Path | None,
+           force: bool) -> None:
     """Export TARGET (HF folder, hub id or .gguf) and a draft into a validated pair folder."""
     from rich.console import Console
 
@@ -76,9 +84,33 @@ def export(target: str, output: Path, draft: str | None, precision: str,
                          num_draft_tokens=num_draft_tokens, force=force,
                          validate=not no_validate)
     console = Console(stderr=True)
+    if calibrate_method and precision != "fp32":
+        from specedge.runtime.errors import InputError
+
+        raise InputError("--calibrate quantizes an fp32 target: use --precision fp32")
     with console.status("exporting") as status:
         report = export_pair(opts, progress=lambda msg: status.update(msg))
     _print_export(report)
+    if calibrate_method:
+        import shutil
+
+        from specedge.calibration.quality import annotate
+        from specedge.calibration.quantize import QuantizeOptions, quantize
+
+        folder = report.folder
+        staged = folder.with_name(f".{folder.name}.calibrated")
+        try:
+            quantize(QuantizeOptions(pair=folder, output=staged, method=calibrate_method,
+                                     data_file=data_file, force=True),
+                     say=lambda msg: click.echo(msg, err=True))
+            click.echo(json.dumps(annotate(folder, staged, "target"), indent=2))
+            old = folder.with_name(f".{folder.name}.fp32")
+            folder.rename(old)
+            staged.rename(folder)
+            shutil.rmtree(old)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
 
 
 @main.command()

@@ -129,3 +129,26 @@ def test_tune_picks_the_fastest_measured_setting(tiny_pair_dir: Path, tmp_path: 
     if best["drafter"] != "none":
         assert (defaults.drafter, defaults.num_draft_tokens) == (best["drafter"], best["k"])
     assert "tune" in load_manifest(pair_dir).provenance
+
+
+@needs_onnx
+@pytest.mark.export
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs [export]")
+def test_export_with_calibrate(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter.tiny import make_tiny_model
+
+    hf = make_tiny_model("llama", tmp_path / "hf", seed=6)
+    out = tmp_path / "pair"
+    result = CliRunner().invoke(main, ["export", str(hf), "-o", str(out), "--draft-precision",
+                                       "int4", "--calibrate", "int4-rtn"])
+    assert result.exit_code == 0, result.output
+    manifest = load_manifest(out)
+    assert manifest.target.precision == "int4" and manifest.draft is not None
+    assert "quality" in manifest.target.validation
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "pair"]
+    bad = CliRunner().invoke(main, ["export", str(hf), "-o", str(tmp_path / "x"), "--precision",
+                                    "int4", "--calibrate", "int4-rtn"])
+    assert bad.exit_code != 0 and not (tmp_path / "x").exists()

@@ -45,3 +45,21 @@ main()
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert '"stop_reason"' in proc.stdout
+
+
+def test_quantized_pair_generates_without_torch(fixtures_dir: Path) -> None:
+    """A pair quantized by `specedge quantize` (static int8 QDQ) runs with torch blocked."""
+    folder = fixtures_dir / "tiny-llama-int8static"
+    code = BLOCKER + f'''
+from specedge.runtime.pair import Pair, GenerationConfig
+pair = Pair.load({str(folder)!r})
+assert pair.manifest.target.precision == "int8", pair.manifest.target.precision
+r = pair.generate("The quick", GenerationConfig(max_new_tokens=8, num_draft_tokens=2))
+assert len(r.tokens) == 8
+assert "torch" not in sys.modules and "onnx" not in sys.modules
+print("ok")
+'''
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("ok")
