@@ -32,6 +32,12 @@ def main(out: Path, pairs: list[Path]) -> None:
         acts = ("int8 (accuracy level 4)" if src.get("accuracy_level", 4) == 4 else "fp32")
         if method.startswith("int8"):
             acts = "int8 per-tensor, " + ("dynamic" if method == "int8-dynamic" else "static")
+        elif method == "fp16":
+            acts = "fp16 (attention and norms fp32)"
+        elif method == "fp8":
+            acts = "fp8 E4M3 per-tensor, static"
+        if src.get("symmetric") is False:
+            method += " (asymmetric)"
         ppl = q.get("perplexity", float("nan"))
         lines.append(f"| {method} | {acts} | {calibrated} | {ppl:.2f} "
                      f"({q.get('reference_perplexity', float('nan')):.2f}) | "
