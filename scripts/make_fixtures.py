@@ -3,8 +3,8 @@
 Usage: python scripts/make_fixtures.py OUT_DIR
 Writes OUT_DIR/tiny-llama (fp32 target + int4 self-draft), OUT_DIR/tiny-llama-int8
 (fp32 target + int8 self-draft) and OUT_DIR/tiny-llama-int8static (its target quantized with
-calibrated static int8 QDQ by `specedge quantize`). Needs the [export] extra (torch); the runtime tests that read
-these folders do not.
+calibrated static int8 QDQ by `specedge quantize`). Needs the [export] extra (torch); the
+runtime tests that read these folders do not.
 """
 
 from __future__ import annotations
