@@ -2,9 +2,13 @@
 
 Candidates, each measured on held-out prompts (none assumed):
 - the int4 weight-only self-draft (ORT GenAI builder, RTN, block 32);
-- the same with its LM head restricted to the V' most frequent tokens of calibration text
-  (`draft_head.py`; exact, the draft distribution stays valid);
-- model-free n-gram prompt lookup, and hybrid (n-gram when it hits, the draft model otherwise).
+- quantized self-drafts made by `specedge.calibration.quantize` from the target: int8
+  weight-only (asymmetric, block 32) and int4 HQQ (float zero points rewritten exactly into the
+  fast uint8 layout);
+- the int4 and int8 self-drafts with their LM head restricted to the V' most frequent tokens of
+  calibration text (`draft_head.py`; exact, the draft distribution stays valid);
+- model-free n-gram prompt lookup, and hybrid (n-gram when it hits, otherwise the best draft
+  model found above).
 Calibration text is the target's own greedy output on calibration prompts that are disjoint from
 the evaluation prompts. For every candidate and K the score is the measured decode tokens/s
 over target-only on the same prompts (target-only runs interleaved prompt by prompt with the
@@ -39,6 +43,11 @@ from specedge.runtime.pair import GenerationConfig, Pair
 from . import draft_head
 from .pair import ExportOptions, export_pair
 
+# Self-drafts quantized from the target: method -> (label, asymmetric weights)
+SELF_DRAFTS = {"int8-rtn": ("int8 weight-only self-draft", True),
+               "int4-hqq": ("int4 HQQ self-draft", True),
+               "int4-rtn": ("int4 RTN self-draft (asymmetric)", True)}
+
 
 @dataclass(frozen=True)
 class DraftSearchOptions:
@@ -50,7 +59,8 @@ class DraftSearchOptions:
     vocab_sizes: tuple[int, ...] = (16384, 8192)
     eval_prompts: tuple[str, ...] = ()
     calibration_prompts: tuple[str, ...] = CALIBRATION_PROMPTS
-    ks: tuple[int, ...] = (2, 3, 4)
+    ks: tuple[int, ...] = (2, 3, 4, 6)
+    self_drafts: tuple[str, ...] = ("int8-rtn", "int4-hqq")
     max_new_tokens: int = 96
     force: bool = False
 
@@ -59,6 +69,9 @@ class DraftSearchOptions:
             raise InputError("draft search needs evaluation prompts (--prompts FILE)")
         if set(self.eval_prompts) & set(self.calibration_prompts):
             raise InputError("evaluation and calibration prompts overlap; keep them disjoint")
+        unknown = set(self.self_drafts) - set(SELF_DRAFTS)
+        if unknown:
+            raise InputError(f"--self-drafts {sorted(unknown)}: use {', '.join(SELF_DRAFTS)}")
         if any(v < 16 for v in self.vocab_sizes):
             raise InputError(f"--vocab-sizes must be >= 16, got {self.vocab_sizes}")
 
@@ -88,6 +101,28 @@ def _vocab_candidate(base: Path, dst: Path, keep: np.ndarray) -> None:
     files = {str(p.relative_to(dst)): sha256_file(p) for p in sorted((dst / "draft").iterdir())}
     draft = replace(manifest.draft, files=files, vocab_ids="draft/vocab_ids.npy",
                     validation={**manifest.draft.validation, "vocab_subset": int(len(keep))})
+    write_manifest(replace(manifest, root=dst, draft=draft), dst)
+
+
+def _self_draft_candidate(base: Path, dst: Path, method: str) -> None:
+    """A pair whose draft is the target quantized with `method` (in a child process)."""
+    from specedge.calibration.quantize import QuantizeOptions, run_isolated
+
+    manifest = load_manifest(base, verify_hashes=False)
+    assert manifest.draft is not None
+    copy_pair(base, dst)
+    shutil.rmtree(dst / "draft")
+    (dst / "draft").mkdir()
+    opts = QuantizeOptions(pair=base, output=dst, method=method,
+                           symmetric=not SELF_DRAFTS[method][1])
+    run_isolated(opts, base / manifest.target.path, dst / "draft" / "model.onnx", [], dst)
+    files = {str(p.relative_to(dst)): sha256_file(p) for p in sorted((dst / "draft").iterdir())}
+    source = {**manifest.target.source, "quantization": {
+        "method": method, "block_size": opts.block_size, "symmetric": opts.symmetric,
+        "accuracy_level": opts.accuracy_level}}
+    draft = replace(manifest.target, files=files, path="draft/model.onnx",
+                    precision=method.split("-")[0], source=source,
+                    validation={"self_draft_of": "target", "method": method})
     write_manifest(replace(manifest, root=dst, draft=draft), dst)
 
 
@@ -147,24 +182,42 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
             out_ids, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=128,
                                                                     drafter="none"))
             streams.append(ids + out_ids)
-        for size in opts.vocab_sizes:
+        for method in opts.self_drafts:
             t1 = time.perf_counter()
-            say(f"building the int4 draft with a {size}-token head")
-            keep = draft_head.frequent_tokens(streams, size, pair.manifest.vocab_size,
-                                              always=pair.manifest.eos_token_ids)
-            folder = work / f"int4-v{size}"
-            _vocab_candidate(base.folder, folder, keep)
-            candidates.append(Candidate(f"int4 self-draft, {size}-token head", folder, "model",
-                                        time.perf_counter() - t1))
-        candidates.append(Candidate("n-gram prompt lookup", base.folder, "ngram", 0.0))
-        candidates.append(Candidate("hybrid n-gram + int4", base.folder, "hybrid", 0.0))
+            label = SELF_DRAFTS[method][0]
+            say(f"building the {label}")
+            folder = work / method
+            _self_draft_candidate(base.folder, folder, method)
+            candidates.append(Candidate(label, folder, "model", time.perf_counter() - t1))
+        heads = [c for c in candidates if c.name in ("int4 self-draft",
+                                                      SELF_DRAFTS["int8-rtn"][0])]
+        for head_base in heads:
+            for size in opts.vocab_sizes:
+                t1 = time.perf_counter()
+                say(f"building the {head_base.name} with a {size}-token head")
+                keep = draft_head.frequent_tokens(streams, size, pair.manifest.vocab_size,
+                                                  always=pair.manifest.eos_token_ids)
+                folder = work / f"{head_base.folder.name}-v{size}"
+                _vocab_candidate(head_base.folder, folder, keep)
+                candidates.append(Candidate(f"{head_base.name}, {size}-token head", folder,
+                                            "model", time.perf_counter() - t1))
         del pair
         baseline = 0.0
         for cand in candidates:
             say(f"scoring {cand.name}")
-            cand.rows, base, cand.draft_cost_ratio = _measure(cand.folder, cand.drafter,
-                                                              eval_ids, opts)
-            baseline = max(baseline, base)
+            cand.rows, base_tps, cand.draft_cost_ratio = _measure(cand.folder, cand.drafter,
+                                                                  eval_ids, opts)
+            baseline = max(baseline, base_tps)
+        best_model = max(candidates, key=lambda c: c.best()[1])
+        extra = [Candidate("n-gram prompt lookup", base.folder, "ngram", 0.0),
+                 Candidate(f"hybrid n-gram + {best_model.name}", best_model.folder, "hybrid",
+                           0.0)]
+        for cand in extra:
+            say(f"scoring {cand.name}")
+            cand.rows, base_tps, cand.draft_cost_ratio = _measure(cand.folder, cand.drafter,
+                                                                  eval_ids, opts)
+            baseline = max(baseline, base_tps)
+        candidates += extra
         winner = max(candidates, key=lambda c: c.best()[1])
         k, speedup = winner.best()
         table = {"target_only_tokens_per_s": baseline, "eval_prompts": len(eval_ids),

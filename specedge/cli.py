@@ -124,12 +124,14 @@ def export(target: str, output: Path, draft: str | None, precision: str,
               type=click.Choice(["fp32", "int8", "int4"]), help="Target precision.")
 @click.option("--vocab-sizes", default="16384,8192", show_default=True,
               help="Reduced draft-head vocabularies to try.")
-@click.option("--ks", default="2,3,4", show_default=True)
+@click.option("--ks", default="2,3,4,6", show_default=True)
+@click.option("--self-drafts", default="int8-rtn,int4-hqq", show_default=True,
+              help="Quantized self-drafts to build (int8-rtn, int4-hqq, int4-rtn); '' for none.")
 @click.option("--max-new-tokens", default=96, show_default=True, type=int)
 @click.option("--force", is_flag=True)
 @clean_errors
 def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: str,
-          vocab_sizes: str, ks: str, max_new_tokens: int, force: bool) -> None:
+          vocab_sizes: str, ks: str, self_drafts: str, max_new_tokens: int, force: bool) -> None:
     """Build candidate drafters for TARGET, score them on held-out prompts, keep the fastest."""
     from rich.console import Console
     from rich.table import Table
@@ -145,6 +147,7 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
         raise InputError("--vocab-sizes and --ks take comma-separated integers") from None
     opts = DraftSearchOptions(target=target, output=output, precision=precision,
                               vocab_sizes=sizes, ks=k_list, max_new_tokens=max_new_tokens,
+                              self_drafts=tuple(m for m in self_drafts.split(",") if m.strip()),
                               eval_prompts=read_prompts(prompts_file)[:limit], force=force)
     console = Console(stderr=True)
     with console.status("draft search") as status:
