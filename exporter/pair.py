@@ -32,6 +32,7 @@ from . import onnx_export, quantize, sources, validate
 from .archs import arch_for
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+GRAPHS = ("gqa-shared", "concat")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class ExportOptions:
         num_draft_tokens: default K written to the manifest.
         force: replace an existing output folder.
         validate: compare every model with torch after export.
+        graph: graph form for both models: None for the family's default (archs.py),
+            "gqa-shared" or "concat" (standard ops; needed for batched speculative decoding on
+            CPU, where GroupQueryAttention refuses batch > 1 with several new tokens and a past).
     """
 
     target: str
@@ -61,8 +65,11 @@ class ExportOptions:
     force: bool = False
     validate: bool = True
     builder_options: dict[str, str] = field(default_factory=dict)
+    graph: str | None = None
 
     def __post_init__(self) -> None:
+        if self.graph is not None and self.graph not in GRAPHS:
+            raise InputError(f"--graph {self.graph!r}: use auto, gqa-shared or concat")
         for key, value in (("precision", self.precision), ("draft_precision",
                                                             self.draft_precision)):
             if value is not None and value not in PRECISIONS:
@@ -181,14 +188,22 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
 
     config = AutoConfig.from_pretrained(str(src.folder))
     arch = arch_for(config, where=str(src.folder))
+    graph = opts.graph or arch.graph
+    if graph != arch.graph and arch.graph == "concat":
+        raise ExportError(f"{src.folder}: {arch.model_type} exports only the concat graph form "
+                          f"(the ONNX Runtime GenAI builder does not cover it); drop --graph "
+                          f"{graph} or use --graph concat")
+    if graph == "concat" and precision not in ("fp32", "int8", "int4"):
+        raise ExportError(f"{src.folder}: {arch.model_type} exports fp32, int8 or int4 "
+                          f"(not {precision}) in the concat form")
     build = work / f"{name}-onnx"
-    if arch.graph == "gqa-shared" and precision != "int8":
+    if graph == "gqa-shared" and precision != "int8":
         info = onnx_export.build_gqa(src.folder, build, precision, opts.provider,
                                      work / "cache", dict(opts.builder_options),
                                      work / f"{name}-builder.log")
     else:
         fp32 = work / f"{name}-fp32"
-        if arch.graph == "gqa-shared":
+        if graph == "gqa-shared":
             info = onnx_export.build_gqa(src.folder, fp32, "fp32", opts.provider, work / "cache",
                                          dict(opts.builder_options), work / f"{name}-builder.log")
         else:
@@ -203,7 +218,7 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
                 quantize.int4_weight_only(info.onnx_path, build / "model.onnx")
             else:
                 raise ExportError(f"{src.folder}: {arch.model_type} exports fp32, int8 or int4 "
-                                  f"(not {precision}) in the {arch.graph} form")
+                                  f"(not {precision}) in the {graph} form")
         info = onnx_export.GraphInfo(**{**info.__dict__, "onnx_path": build / "model.onnx"})
     moved = onnx_export.move_model(info.onnx_path, tmp / name)
     files = {str(p.relative_to(tmp)): sha256_file(p) for p in moved}

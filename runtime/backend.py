@@ -308,6 +308,63 @@ class OrtModel:
             )
         return logits
 
+    def forward_rows(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
+                     new_lens: np.ndarray) -> np.ndarray:
+        """Ragged batch step: row `rows[i]` of `cache` is fed `tokens[i, :new_lens[i]]`.
+
+        Each row keeps its own length. The rows' pasts are padded to the longest with
+        attention-mask holes, the new tokens get per-row position ids, and only each row's
+        `new_lens[i]` new keys/values are copied back after its own prefix. Rows of the cache
+        that are not in `rows` are neither fed nor paid for. Concat-form graphs only (ONNX
+        Runtime's CPU GroupQueryAttention refuses batch > 1 with several new tokens after a past).
+
+        Returns:
+            logits `[len(rows), tokens.shape[1], vocab]`; entries past `new_lens[i]` are padding.
+        """
+        if self.spec.graph != "concat":
+            raise InputError(
+                f"{self.spec.path}: batched speculative decoding needs a concat-form graph (ONNX "
+                "Runtime's CPU GroupQueryAttention takes one row when several tokens follow a "
+                "past); export the pair with --graph concat")
+        rows = np.asarray(rows, dtype=np.int64)
+        new_lens = np.asarray(new_lens, dtype=np.int64)
+        count, width = tokens.shape
+        lengths = cache.lengths[rows]
+        past = int(lengths.max())
+        total = past + width
+        if total > cache.max_len:
+            raise InputError(f"{self.name} model: {total} tokens exceed the context of "
+                             f"{cache.max_len}")
+        at = np.arange(total)[None, :]
+        mask = ((at < lengths[:, None]) |
+                ((at >= past) & (at < past + new_lens[:, None]))).astype(np.int64)
+        feeds: dict[str, Any] = {self.spec.input_ids: np.ascontiguousarray(tokens, np.int64),
+                                 self.spec.attention_mask: mask}
+        if self.spec.position_ids:
+            feeds[self.spec.position_ids] = lengths[:, None] + np.arange(width)[None, :]
+        for (name, _), buf in zip(self._kv_names, cache.host, strict=True):
+            feeds[name] = buf[rows, :, :past]  # fancy indexing: a contiguous copy
+        names = [self.spec.logits] + [present for _, present in self._kv_names]
+        try:
+            outs = self.session.run(names, feeds)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ModelError(f"the {self.name} model ({self.spec.path}) failed to run "
+                             f"({first[:300]}); re-export the pair") from None
+        for buf, present in zip(cache.host, outs[1:], strict=True):
+            for i, row in enumerate(rows):
+                start, n = lengths[i], new_lens[i]
+                buf[row, :, start:start + n] = present[i, :, past:past + n]
+        cache.lengths[rows] = lengths + new_lens
+        self.calls += 1
+        logits = np.asarray(outs[0])
+        valid = np.arange(width)[None, :] < new_lens[:, None]
+        if not math.isfinite(float(logits[valid].sum(dtype=np.float64))):
+            raise ModelError(
+                f"the {self.name} model ({self.spec.path}) produced NaN or inf logits; check "
+                "its precision (fp16 overflow?) and re-export or re-quantize it")
+        return logits
+
     def _positions(self, cache: KVCache, new: int) -> np.ndarray:
         return cache.lengths[:, None] + np.arange(new, dtype=np.int64)[None, :]
 

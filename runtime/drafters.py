@@ -197,9 +197,18 @@ class AdaptiveK:
     def update(self, k: int, accepted: int, draft_step_s: float, draft_step_calls: int,
                verify_s: float) -> None:
         """Record one round: k proposed, `accepted` of them accepted, and its costs."""
+        self.update_batch(k, [(k, accepted)], draft_step_s, draft_step_calls, verify_s)
+
+    def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
+                     draft_step_calls: int, verify_s: float) -> None:
+        """Record one batched round: (proposed, accepted) per row, and the round's costs.
+
+        The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
+        """
         self.rounds += 1
-        for i in range(1, min(k, accepted + 1) + 1):
-            self.accept[i] = self._ema(self.accept[i], 1.0 if i <= accepted else 0.0)
+        for proposed, accepted in outcomes:
+            for i in range(1, min(proposed, accepted + 1) + 1):
+                self.accept[i] = self._ema(self.accept[i], 1.0 if i <= accepted else 0.0)
         if draft_step_calls:
             self.draft_step = self._ema(self.draft_step, draft_step_s / draft_step_calls)
         self.verify[k + 1] = self._ema(self.verify.get(k + 1), verify_s)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .backend import OrtModel, SessionConfig, physical_cores
+from .batch import BatchStats, RowRequest, decode_batch
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .errors import InputError
 from .manifest import PairManifest, load_manifest
@@ -78,6 +79,40 @@ class GenerationResult:
     prompt_tokens: list[int]
     stop_reason: str  # "eos" | "max_new_tokens" | "context" | "stop"
     stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """The outcome of one batched generation: one result per prompt, in order, and totals."""
+
+    results: list[GenerationResult]
+    stats: BatchStats
+
+
+class _RowText:
+    """Detokenization and stop strings of one batch row (same rules as `Pair.stream`)."""
+
+    def __init__(self, pair: Pair, ids: list[int], stop: tuple[str, ...]) -> None:
+        self.stops = StopStrings(list(stop))
+        self.detok = IncrementalDetokenizer(pair.tokenizer, prompt_ids=ids)
+        self.eos = pair.manifest.eos_token_ids
+        self.text = ""
+        self.stopped = False
+
+    def push(self, tokens: list[int]) -> bool:
+        """Add a round's tokens; True when a stop string appeared."""
+        self.text += self.detok.push_many([t for t in tokens if t not in self.eos])
+        if self.stops and (cut := self.stops.find(self.text)) is not None:
+            self.text, self.stopped = self.text[:cut], True
+        return self.stopped
+
+    def finish(self, reason: str) -> tuple[str, str]:
+        if self.stopped:
+            return self.text, "stop"
+        self.text += self.detok.flush()
+        if self.stops and (cut := self.stops.find(self.text)) is not None:
+            return self.text[:cut], "stop"
+        return self.text, reason
 
 
 @dataclass(frozen=True)
@@ -331,6 +366,71 @@ class Pair:
                 out.extend(next(gen))
             except StopIteration as done:
                 return out, str(done.value), stats
+
+    def generate_batch(self, prompts: Sequence[Prompt],
+                       configs: GenerationConfig | Sequence[GenerationConfig] | None = None, *,
+                       compact: bool = True) -> BatchResult:
+        """Generate for several prompts at once: one target call per round for all rows.
+
+        Each row has its own sampling parameters, seed, token budget and stop strings (one
+        config per prompt, or one for all); the drafter, k and adaptivity are shared by the
+        batch. Each row's output is what `generate` gives it alone (greedy: token for token;
+        sampled: the same distribution). Needs a pair exported with `--graph concat`.
+        """
+        import time
+
+        if isinstance(prompts, str) or not prompts:
+            raise InputError("generate_batch takes a non-empty list of prompts")
+        if configs is None or isinstance(configs, GenerationConfig):
+            configs = [configs or GenerationConfig()] * len(prompts)
+        if len(configs) != len(prompts):
+            raise InputError(f"{len(prompts)} prompts but {len(configs)} configs; give one "
+                             "config per prompt or one for all")
+        shared = {(c.drafter, c.num_draft_tokens, c.adaptive) for c in configs}
+        if len(shared) > 1:
+            raise InputError("the rows of a batch share drafter, num_draft_tokens and adaptive; "
+                             "per row: sampling, seed, max_new_tokens, stop, chat")
+        first = configs[0]
+        d = self.manifest.defaults
+        drafter = first.drafter or (d.drafter if self.draft is not None else "none")
+        if drafter in ("ngram", "hybrid"):
+            drafter = "model" if self.draft is not None else "none"
+        if drafter == "model" and self.draft is None:
+            raise InputError(f"drafter 'model' needs a draft model but {self.manifest.root} "
+                             "has none")
+        k = first.num_draft_tokens or d.num_draft_tokens
+        limit = min(self.manifest.target.max_seq_len,
+                    self.manifest.draft.max_seq_len if self.manifest.draft else 1 << 30)
+        start = time.perf_counter()
+        ids_list = [self.encode_prompt(p, chat=c.chat) for p, c in zip(prompts, configs,
+                                                                        strict=True)]
+        for ids in ids_list:
+            if len(ids) >= limit:
+                raise InputError(f"a prompt has {len(ids)} tokens but the context is {limit}; "
+                                 "shorten it")
+        floors = [m.min_cache_len for m in (self.manifest.target, self.manifest.draft) if m]
+        max_len = min(limit, max([len(i) + c.max_new_tokens + k + 1
+                                  for i, c in zip(ids_list, configs, strict=True)] + floors))
+        texts = [_RowText(self, ids, c.stop) for ids, c in zip(ids_list, configs, strict=True)]
+        requests = [RowRequest(prompt=ids, max_new_tokens=c.max_new_tokens, params=c.sampling,
+                               stop=t.push if c.stop else None)
+                    for ids, c, t in zip(ids_list, configs, texts, strict=True)]
+        adaptive = self._adaptive(first) and drafter == "model"
+        rows, totals = decode_batch(
+            self.target, self.draft if drafter == "model" else None, requests,
+            num_draft_tokens=k if drafter == "model" else 0, adaptive=adaptive,
+            eos_token_ids=self.manifest.eos_token_ids,
+            rngs=[c.sampling.make_rng() for c in configs], max_len=max_len, compact=compact)
+        results = []
+        for (tokens, reason, stats), ids, text, cfg in zip(rows, ids_list, texts, configs,
+                                                            strict=True):
+            if not cfg.stop:
+                text.push(tokens)
+            final, why = text.finish(reason)
+            stats.total_s = time.perf_counter() - start
+            results.append(GenerationResult(text=final, tokens=tokens, prompt_tokens=ids,
+                                            stop_reason=why, stats=stats))
+        return BatchResult(results=results, stats=totals)
 
     def info(self) -> dict[str, Any]:
         from .manifest import describe

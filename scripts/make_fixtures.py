@@ -2,8 +2,10 @@
 
 Usage: python scripts/make_fixtures.py OUT_DIR
 Writes OUT_DIR/tiny-llama (fp32 target + int4 self-draft), OUT_DIR/tiny-llama-int8
-(fp32 target + int8 self-draft) and OUT_DIR/tiny-llama-int8static (its target quantized with
-calibrated static int8 QDQ by `specedge quantize`). Needs the [export] extra (torch); the
+(fp32 target + int8 self-draft), OUT_DIR/tiny-llama-concat (fp32 target + int4 self-draft, both
+in the concat graph form, for batched speculative decoding on CPU) and
+OUT_DIR/tiny-llama-int8static (its target quantized with calibrated static int8 QDQ by
+`specedge quantize`). Pairs already in OUT_DIR are kept. Needs the [export] extra (torch); the
 runtime tests that read these folders do not.
 """
 
@@ -16,18 +18,23 @@ from pathlib import Path
 from specedge.exporter.pair import ExportOptions, export_pair
 from specedge.exporter.tiny import make_tiny_model
 
-PAIRS = {"tiny-llama": "int4", "tiny-llama-int8": "int8"}
+# name: (draft precision, graph form; None = the family's default)
+PAIRS: dict[str, tuple[str, str | None]] = {
+    "tiny-llama": ("int4", None),
+    "tiny-llama-int8": ("int8", None),
+    "tiny-llama-concat": ("int4", "concat"),
+}
 
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_tiny_model("llama", Path(tmp) / "llama", seed=0)
-        for name, draft_precision in PAIRS.items():
+        for name, (draft_precision, graph) in PAIRS.items():
             if (out / name / "specedge.json").is_file():
                 continue
             export_pair(ExportOptions(target=str(hf), output=out / name,
-                                      draft_precision=draft_precision, force=True))
+                                      draft_precision=draft_precision, graph=graph, force=True))
             print(f"wrote {out / name}")
         # A calibrated static-int8 target (for the torch-free runtime tests of quantized pairs).
         quantized = out / "tiny-llama-int8static"

@@ -60,6 +60,9 @@ def main() -> None:
               help="Execution provider the graphs are built for.")
 @click.option("--num-draft-tokens", default=3, show_default=True, type=int,
               help="Default draft length written to the manifest.")
+@click.option("--graph", default="auto", show_default=True,
+              type=click.Choice(["auto", "gqa-shared", "concat"]),
+              help="Graph form; concat is needed for batched speculative decoding on CPU.")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with torch.")
 @click.option("--calibrate", "calibrate_method", default=None,
               type=click.Choice(["fp16", "fp8", "int8-dynamic", "int8-minmax", "int8-entropy",
@@ -71,7 +74,7 @@ def main() -> None:
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @clean_errors
 def export(target: str, output: Path, draft: str | None, precision: str,
-           draft_precision: str | None, provider: str, num_draft_tokens: int,
+           draft_precision: str | None, provider: str, num_draft_tokens: int, graph: str,
            no_validate: bool, calibrate_method: str | None, data_file: Path | None,
            force: bool) -> None:
     """Export TARGET (HF folder, hub id or .gguf) and a draft into a validated pair folder."""
@@ -82,7 +85,7 @@ def export(target: str, output: Path, draft: str | None, precision: str,
     opts = ExportOptions(target=target, output=output, draft=draft, precision=precision,
                          draft_precision=draft_precision, provider=provider,
                          num_draft_tokens=num_draft_tokens, force=force,
-                         validate=not no_validate)
+                         validate=not no_validate, graph=None if graph == "auto" else graph)
     console = Console(stderr=True)
     if calibrate_method and precision != "fp32":
         from specedge.runtime.errors import InputError

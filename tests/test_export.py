@@ -159,3 +159,101 @@ def test_fp16_for_cuda_exports_and_validates_on_cpu(work: Path) -> None:
     target = report.manifest.target
     assert target.precision == "fp16" and target.kv.dtype == "float16"
     assert target.validation["passed"] and target.validation["tolerance"] == 5e-2
+
+
+def test_graph_option_is_checked(tmp_path: Path, work: Path) -> None:
+    from specedge.exporter.tiny import make_tiny_model
+
+    with pytest.raises(SpecEdgeError, match="--graph 'gqa': use auto, gqa-shared or concat"):
+        _export(tmp_path / "whatever", tmp_path / "out", graph="gqa")
+    gpt2 = make_tiny_model("gpt2", tmp_path / "gpt2", seed=0)
+    with pytest.raises(SpecEdgeError, match="exports only the concat graph form"):
+        _export(gpt2, tmp_path / "out", graph="gqa-shared")
+    _no_leftovers(tmp_path / "out")
+    llama = make_tiny_model("llama", tmp_path / "llama", seed=0)
+    with pytest.raises(SpecEdgeError, match=r"fp32, int8 or int4 \(not fp16\) in the concat"):
+        _export(llama, tmp_path / "out", precision="fp16", provider="cuda", graph="concat")
+    _no_leftovers(tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def llama_concat_pair(work: Path) -> Path:
+    from specedge.exporter.tiny import make_tiny_model
+
+    hf = make_tiny_model("llama", work / "llama-concat-hf", seed=6)
+    report = _export(hf, work / "llama-concat", draft_precision="int4", graph="concat")
+    target, draft = report.manifest.target, report.manifest.draft
+    assert target.graph == "concat" and target.precision == "fp32"
+    assert draft is not None and draft.graph == "concat" and draft.precision == "int4"
+    assert target.validation["passed"] and target.validation["batch2_max_abs_diff"] <= 1e-5
+    return report.folder
+
+
+def test_llama_concat_pair_decodes(llama_concat_pair: Path) -> None:
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    pair = Pair.load(llama_concat_pair)
+    ids = pair.encode_prompt("Edge devices")
+    base, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=20, drafter="none"))
+    spec, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=20, drafter="model",
+                                                         num_draft_tokens=3, adaptive=False))
+    assert spec == base
+
+
+@pytest.mark.parametrize("model", ["target", "draft"])
+def test_llama_concat_ragged_batch_matches_batch1(llama_concat_pair: Path, model: str) -> None:
+    """Rows with different past lengths, padded with mask holes between past and new tokens.
+
+    Row 0 has a past of 5 tokens, row 1 of 3 tokens padded to 5 (attention_mask 0 at slots 3, 4,
+    with garbage keys/values there); the new tokens come with per-row position_ids. Each row's
+    logits must equal a batch-1 run on its own true past.
+    """
+    import numpy as np
+    import onnxruntime as ort
+
+    from specedge.runtime.backend import SessionConfig, _session_options
+
+    # The runtime's options: once this process has the shared thread pool (Pair.load, the
+    # validation), ONNX Runtime refuses sessions with their own pools.
+    sess = ort.InferenceSession(str(llama_concat_pair / model / "model.onnx"),
+                                _session_options(SessionConfig()),
+                                providers=["CPUExecutionProvider"])
+    manifest = json.loads((llama_concat_pair / "specedge.json").read_text())["models"][model]
+    layers, heads, head_dim = (manifest["num_layers"], manifest["num_kv_heads"],
+                               manifest["head_dim"])
+
+    def run(ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+            past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        feeds = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64),
+                 "position_ids": pos.astype(np.int64)}
+        for i in range(layers):
+            feeds[f"past_key_values.{i}.key"] = past[i]
+            feeds[f"past_key_values.{i}.value"] = past[layers + i]
+        logits, *present = sess.run(None, feeds)
+        return logits, present
+
+    rng = np.random.default_rng(0)
+    empty = [np.zeros((1, heads, 0, head_dim), np.float32)] * (2 * layers)
+    prompt0, prompt1 = rng.integers(3, 300, (1, 5)), rng.integers(3, 300, (1, 3))
+    new = rng.integers(3, 300, (2, 2))
+    _, past0 = run(prompt0, np.ones((1, 5)), np.arange(5)[None], empty)
+    _, past1 = run(prompt1, np.ones((1, 3)), np.arange(3)[None], empty)
+    ref0, _ = run(new[:1], np.ones((1, 7)), np.array([[5, 6]]), past0)
+    ref1, present1 = run(new[1:], np.ones((1, 5)), np.array([[3, 4]]), past1)
+
+    holes = [rng.standard_normal((1, heads, 2, head_dim)).astype(np.float32) * 10
+             for _ in range(2 * layers)]
+    past = [np.concatenate([a, np.concatenate([b, h], axis=2)]) for a, b, h in
+            zip(past0, past1, holes, strict=True)]
+    mask = np.array([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 1, 1]])
+    logits, present = run(new, mask, np.array([[5, 6], [3, 4]]), past)
+    assert logits.shape == (2, 2, manifest["vocab_size"])
+    # The holes change only the fp32 summation order in attention. The int4 draft quantizes its
+    # activations to int8 (accuracy level 4), where such ~1e-7 changes can flip a rounding: on
+    # this tiny model that stays far below 1e-3 (on SmolLM2-135M it reaches ~1 logit).
+    atol = 1e-4 if model == "target" else 1e-3
+    np.testing.assert_allclose(logits[0], ref0[0], atol=atol, rtol=0)
+    np.testing.assert_allclose(logits[1], ref1[0], atol=atol, rtol=0)
+    # The new tokens' keys/values land after the holes, equal to the batch-1 ones.
+    for got, want in zip(present, present1, strict=True):
+        np.testing.assert_allclose(got[1, :, 5:], want[0, :, 3:], atol=atol, rtol=0)

@@ -1,0 +1,146 @@
+"""Batched speculative decoding: every row is exactly what batch-1 decoding gives it.
+
+Greedy rows are compared token for token with batch-1 runs (prompts of very different lengths,
+rows stopping at different times through eos, budgets and stop strings, compaction on and off).
+Sampled rows with mixed parameters keep the target distribution (chi-square, as for batch 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specedge.runtime.errors import InputError
+from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.sampling import SamplingParams
+
+from .test_sampling_e2e import exact_first_two, gof
+
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog and keeps running through the forest " * 3,
+    "def add(a, b):",
+    "Once upon a time, in a land far away, there lived a king who " * 6,
+]
+
+
+@pytest.fixture(scope="module")
+def concat_pair(fixtures_dir: Path) -> Pair:
+    return Pair.load(fixtures_dir / "tiny-llama-concat")
+
+
+def _batch1(pair: Pair, prompt: str, cfg: GenerationConfig) -> tuple[list[int], str, str]:
+    result = pair.generate(prompt, cfg)
+    return result.tokens, result.text, result.stop_reason
+
+
+@pytest.mark.parametrize("k, adaptive, compact", [(1, False, True), (3, False, True),
+                                                  (5, False, False), (4, True, True)])
+def test_greedy_rows_equal_batch1(concat_pair: Pair, k: int, adaptive: bool,
+                                  compact: bool) -> None:
+    budgets = [40, 9, 33, 21]
+    configs = [GenerationConfig(max_new_tokens=b, num_draft_tokens=k, adaptive=adaptive,
+                                drafter="model") for b in budgets]
+    # Row 2 also stops on a string taken from its own batch-1 output (a mid-generation stop).
+    alone = _batch1(concat_pair, PROMPTS[2], replace(configs[2], adaptive=False))
+    stop = alone[1][len(alone[1]) // 2:len(alone[1]) // 2 + 3]
+    if stop.strip():
+        configs[2] = replace(configs[2], stop=(stop,))
+    batch = concat_pair.generate_batch(PROMPTS, configs, compact=compact)
+    lengths = set()
+    for prompt, cfg, got in zip(PROMPTS, configs, batch.results, strict=True):
+        want = _batch1(concat_pair, prompt, replace(cfg, adaptive=False))
+        target_only = _batch1(concat_pair, prompt, replace(cfg, drafter="none"))
+        assert (got.text, got.stop_reason) == want[1:]
+        assert got.text == target_only[1]
+        if got.stop_reason != "stop":
+            assert got.tokens == want[0] == target_only[0]
+        else:  # the text is cut at the stop string; tokens come in chunks of a round
+            shorter = min(len(got.tokens), len(want[0]), len(target_only[0]))
+            assert got.tokens[:shorter] == want[0][:shorter] == target_only[0][:shorter]
+        lengths.add(len(got.tokens))
+    assert len(lengths) > 1, "rows should stop at different times"
+    assert batch.stats.new_tokens == sum(len(r.tokens) for r in batch.results)
+    if not adaptive:
+        assert batch.stats.proposed > 0 and batch.stats.accepted > 0
+    assert batch.stats.live_rows[0] == 4 and batch.stats.live_rows[-1] < 4
+
+
+def test_batch_target_only_and_single_row(concat_pair: Pair) -> None:
+    cfg = GenerationConfig(max_new_tokens=12, drafter="none")
+    batch = concat_pair.generate_batch(PROMPTS[:3], cfg)
+    for prompt, got in zip(PROMPTS[:3], batch.results, strict=True):
+        assert got.tokens == _batch1(concat_pair, prompt, cfg)[0]
+    assert batch.stats.proposed == 0
+    one = concat_pair.generate_batch([PROMPTS[1]], GenerationConfig(max_new_tokens=12,
+                                                                      drafter="model",
+                                                                      num_draft_tokens=2))
+    assert one.results[0].tokens == batch.results[1].tokens
+
+
+def test_eos_rows_leave_the_batch(concat_pair: Pair) -> None:
+    """A row whose eos comes early finishes while the others go on (eos = its 3rd token)."""
+    first = concat_pair.generate(PROMPTS[0], GenerationConfig(max_new_tokens=6, drafter="none"))
+    eos = first.tokens[2]
+    pair = Pair(replace(concat_pair.manifest, eos_token_ids=(eos,)), concat_pair.tokenizer,
+                concat_pair.target, concat_pair.draft)
+    cfg = GenerationConfig(max_new_tokens=30, drafter="model", num_draft_tokens=3,
+                           adaptive=False)
+    batch = pair.generate_batch(PROMPTS, cfg)
+    assert batch.results[0].stop_reason == "eos"
+    for prompt, got in zip(PROMPTS, batch.results, strict=True):
+        assert got.tokens == pair.generate(prompt, cfg).tokens
+
+
+def test_batch_errors(concat_pair: Pair, tiny_pair: Pair) -> None:
+    with pytest.raises(InputError, match="concat"):
+        tiny_pair.generate_batch(PROMPTS[:2], GenerationConfig(max_new_tokens=4))
+    with pytest.raises(InputError, match="share"):
+        concat_pair.generate_batch(PROMPTS[:2], [GenerationConfig(num_draft_tokens=2),
+                                                 GenerationConfig(num_draft_tokens=3)])
+    with pytest.raises(InputError, match="configs"):
+        concat_pair.generate_batch(PROMPTS[:2], [GenerationConfig()])
+    with pytest.raises(InputError, match="non-empty"):
+        concat_pair.generate_batch([], GenerationConfig())
+
+
+RUNS = 1500
+MIXED = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=20),
+         SamplingParams(temperature=1.2, top_p=0.9),
+         SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.02)]
+
+
+def test_batched_sampling_keeps_each_rows_distribution(concat_pair: Pair) -> None:
+    """Batch 4, a different prompt and sampling setting per row, k=3: chi-square per row."""
+    pair = Pair(replace(concat_pair.manifest, eos_token_ids=()), concat_pair.tokenizer,
+                concat_pair.target, concat_pair.draft)
+    prompts = ["The quick brown", "def add(a", "Once upon", "Hello there, my"]
+    ids = [pair.encode_prompt(p) for p in prompts]
+    exact = [exact_first_two(pair, i, p) for i, p in zip(ids, MIXED, strict=True)]
+    rng = np.random.default_rng(7)
+    firsts: list[list[int]] = [[] for _ in prompts]
+    seconds: list[list[int]] = [[] for _ in prompts]
+    accepted = same = 0
+    for run in range(RUNS):
+        configs = [GenerationConfig(max_new_tokens=5, num_draft_tokens=3, adaptive=False,
+                                    drafter="model",
+                                    sampling=replace(p, seed=int(rng.integers(2**31))))
+                   for p in MIXED]
+        batch = pair.generate_batch(prompts, configs)
+        for row, result in enumerate(batch.results):
+            firsts[row].append(result.tokens[0])
+            seconds[row].append(result.tokens[1])
+        accepted += batch.stats.accepted
+        if run < 100:  # same seed, same row alone: the same tokens (up to draft rounding)
+            same += sum(pair.generate_ids(i, c)[0] == r.tokens
+                        for i, c, r in zip(ids, configs, batch.results, strict=True))
+    assert same >= 0.97 * 400
+    assert accepted > 0, "no draft was ever accepted: the test would prove nothing"
+    for row in range(len(prompts)):
+        first, second = exact[row]
+        # Pool expected counts < 10: these distributions are flat over hundreds of tokens.
+        assert gof(firsts[row], first, 10) > 1e-3, f"row {row}: first token"
+        assert gof(seconds[row], second, 10) > 1e-3, f"row {row}: second token"
