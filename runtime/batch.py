@@ -158,6 +158,9 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, requests: Sequence[Ro
                 d_cache.lengths[row.index] = keep
             _commit(row, [int(t) for t in emitted], eos_token_ids, max_len)
             st = row.stats
+            st.draft_calls += n
+            if row.reason is not None:  # the row's own decode time ends when it finishes
+                st.decode_s = time.perf_counter() - start
             st.rounds += 1
             st.proposed += n
             st.accepted += accepted
@@ -180,7 +183,7 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, requests: Sequence[Ro
     totals.new_tokens = sum(len(r.generated) for r in rows)
     for row in rows:
         row.stats.new_tokens = len(row.generated)
-        row.stats.decode_s = totals.decode_s
+        row.stats.decode_s = row.stats.decode_s or totals.decode_s
     return [(r.generated, r.reason or "max_new_tokens", r.stats) for r in rows], totals
 
 

@@ -358,23 +358,105 @@ def _print_stats(result: Any, as_json: bool) -> None:
     Console(stderr=True).print(table)
 
 
+_ROW_KEYS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
+             "seed", "stop", "chat"}
+
+
+def _read_batch(path: Path, base: Any) -> tuple[list[Any], list[Any]]:
+    """Prompts and per-row configs from a JSONL batch file (CLI options are the defaults)."""
+    from dataclasses import replace
+
+    from specedge.runtime.errors import InputError
+    from specedge.runtime.sampling import SamplingParams
+
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read the batch file ({exc})") from None
+    prompts, configs = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise InputError(f"{path}:{n}: not a JSON object") from None
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise InputError(f"{path}:{n}: give exactly one of \"prompt\" or \"messages\"")
+        unknown = set(row) - _ROW_KEYS
+        if unknown:
+            raise InputError(f"{path}:{n}: unknown key(s) {sorted(unknown)}; use "
+                             f"{', '.join(sorted(_ROW_KEYS))}")
+        s = base.sampling
+        sampling = SamplingParams(
+            temperature=row.get("temperature", s.temperature), top_k=row.get("top_k", s.top_k),
+            top_p=row.get("top_p", s.top_p), min_p=row.get("min_p", s.min_p),
+            seed=row.get("seed", s.seed))
+        stop = row.get("stop", list(base.stop))
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise InputError(f"{path}:{n}: \"stop\" must be a list of strings")
+        configs.append(replace(base, sampling=sampling, stop=tuple(stop),
+                               max_new_tokens=row.get("max_new_tokens", base.max_new_tokens),
+                               chat=bool(row.get("chat", base.chat or "messages" in row))))
+        prompts.append(row.get("prompt", row.get("messages")))
+    if not prompts:
+        raise InputError(f"{path}: no rows in the batch file")
+    return prompts, configs
+
+
+def _generate_batch(loaded: Any, batch_file: Path, config: Any, show_stats: bool,
+                    as_json: bool) -> None:
+    prompts, configs = _read_batch(batch_file, config)
+    result = loaded.generate_batch(prompts, configs)
+    for i, row in enumerate(result.results):
+        if as_json:
+            click.echo(json.dumps({"row": i, "text": row.text, "tokens": row.tokens,
+                                   "stop_reason": row.stop_reason,
+                                   "stats": row.stats.to_dict()}))
+        else:
+            click.echo(f"[{i}] {row.text}")
+    st = result.stats
+    if show_stats or as_json:
+        summary = {"rows": st.rows, "rounds": st.rounds, "new_tokens": st.new_tokens,
+                   "acceptance_rate": st.acceptance_rate, "decode_s": st.decode_s,
+                   "aggregate_tokens_per_s": st.tokens_per_s}
+        if as_json:
+            click.echo(json.dumps({"batch": summary}))
+        else:
+            click.echo(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in summary.items()), err=True)
+
+
 @main.command()
 @click.argument("pair", type=click.Path(path_type=Path))
-@click.argument("prompt")
+@click.argument("prompt", required=False)
 @generation_options
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the chat template as a user turn.")
+@click.option("--batch", "batch_file", type=click.Path(path_type=Path), default=None,
+              help="JSONL file, one row per line: {\"prompt\": ...} or {\"messages\": [...]}, "
+                   "with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, "
+                   "stop. Generates all rows as one batch (needs a --graph concat pair).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text + stats).")
 @clean_errors
-def generate(pair: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
-             top_p: float, min_p: float, seed: int | None, num_draft_tokens: int | None,
-             drafter: str | None, no_speculation: bool, adaptive: bool | None,
-             stop: tuple[str, ...], providers: str, threads: str | None, no_verify: bool,
-             chat: bool, show_stats: bool, as_json: bool) -> None:
-    """Generate a completion of PROMPT with the pair in folder PAIR."""
+def generate(pair: Path, prompt: str | None, max_new_tokens: int, temperature: float,
+             top_k: int, top_p: float, min_p: float, seed: int | None,
+             num_draft_tokens: int | None, drafter: str | None, no_speculation: bool,
+             adaptive: bool | None, stop: tuple[str, ...], providers: str, threads: str | None,
+             no_verify: bool, chat: bool, batch_file: Path | None, show_stats: bool,
+             as_json: bool) -> None:
+    """Generate a completion of PROMPT (or of every row of --batch) with the pair PAIR."""
+    from specedge.runtime.errors import InputError
+
+    if (prompt is None) == (batch_file is None):
+        raise InputError("give a PROMPT or --batch FILE (one of the two)")
     config = _generation_config(max_new_tokens, temperature, top_k, top_p, min_p, seed,
                                 num_draft_tokens, drafter, no_speculation, adaptive, stop, chat)
     loaded = _load_pair(pair, providers, threads, no_verify)
+    if batch_file is not None:
+        _generate_batch(loaded, batch_file, config, show_stats, as_json)
+        return
+    assert prompt is not None
     if as_json:
         result = loaded.generate(prompt, config)
         click.echo(json.dumps({"text": result.text, "tokens": result.tokens,
@@ -448,11 +530,14 @@ def chat(pair: Path, max_new_tokens: int, temperature: float, top_k: int, top_p:
               help="Write the full report as JSON.")
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path), default=None,
               help="Write a PNG of tokens/s and acceptance against K (needs matplotlib).")
+@click.option("--batch", "batches", default=None,
+              help="Batch sizes, e.g. 1,2,4,8: aggregate tokens/s of batched target-only and "
+                   "speculative decoding (greedy; needs a --graph concat pair).")
 @clean_errors
 def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: str, no_adaptive: bool,
           drafter: str, repeats: int, warmup: int, temperature: float, plain: bool,
           providers: str, threads: str | None, json_out: Path | None,
-          plot_out: Path | None) -> None:
+          plot_out: Path | None, batches: str | None) -> None:
     """Measure PAIR: target only, K sweep and adaptive K, with predicted speed-ups."""
     from rich.console import Console
     from rich.progress import Progress
@@ -465,6 +550,10 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: str, n
         k_list = tuple(int(k) for k in ks.split(",") if k.strip())
     except ValueError:
         raise InputError(f"--ks {ks!r}: give comma-separated integers") from None
+    if batches is not None:
+        _bench_batches(pair, prompts_file, batches, k_list, max_new_tokens, not no_adaptive,
+                       not plain, providers, threads, json_out)
+        return
     options = b.BenchOptions(
         prompts=b.read_prompts(prompts_file) if prompts_file else b.DEFAULT_PROMPTS,
         max_new_tokens=max_new_tokens, ks=k_list, adaptive=not no_adaptive, drafter=drafter,
@@ -493,6 +582,52 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: str, n
     if plot_out:
         written = b.plot(report, plot_out)
         click.echo(f"wrote {written}" if written else "matplotlib is not installed: no plot")
+
+
+def _bench_batches(pair: Path, prompts_file: Path | None, batches: str, ks: tuple[int, ...],
+                   max_new_tokens: int, adaptive: bool, chat: bool, providers: str,
+                   threads: str | None, json_out: Path | None) -> None:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from specedge.runtime import batch_bench as bb
+    from specedge.runtime.bench import read_prompts
+    from specedge.runtime.errors import InputError
+
+    try:
+        sizes = tuple(int(v) for v in batches.split(",") if v.strip())
+    except ValueError:
+        raise InputError(f"--batch {batches!r}: give comma-separated integers") from None
+    default_prompts = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts20.txt"
+    prompts = read_prompts(prompts_file) if prompts_file else (
+        read_prompts(default_prompts) if default_prompts.is_file() else ())
+    options = bb.BatchBenchOptions(prompts=prompts, batches=sizes, ks=ks, adaptive=adaptive,
+                                   max_new_tokens=max_new_tokens, chat=chat)
+    loaded = _load_pair(pair, providers, threads, False)
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("bench --batch", total=None)
+        report = bb.run_batch_bench(loaded, options,
+                                    lambda label: progress.update(task, description=label))
+    rows = bb.rows_as_dicts(report)
+    table = Table(title=f"specedge bench --batch {batches} {pair} ({len(prompts)} prompts x "
+                        f"{max_new_tokens} tokens, greedy)")
+    for h in ("batch", "setting", "aggregate tok/s", "vs target-only (same batch)",
+              "vs batch-1 target-only", "acceptance", "mean K", "verify(B,K+1)/verify(B,1)",
+              "draft step/verify(B,1)"):
+        table.add_column(h)
+    for r in rows:
+        table.add_row(str(r["batch"]), r["setting"], f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup_vs_target_only']:.2f}x", f"{r['vs_batch1_target_only']:.2f}x",
+                      f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "–",
+                      f"{r['mean_k']:.2f}",
+                      f"{r['verify_ratio']:.2f}" if "verify_ratio" in r else "–",
+                      f"{r['draft_ratio']:.2f}" if "draft_ratio" in r else "–")
+    Console(width=220).print(table)
+    if json_out:
+        json_out.write_text(json.dumps({"rows": rows, "costs": {
+            str(r.batch): r.costs for r in report}}, indent=2))
+        click.echo(f"wrote {json_out}")
 
 
 @main.command()

@@ -1,0 +1,172 @@
+"""`specedge bench --batch 1,2,4,8`: aggregate throughput of batched decoding, with and without
+speculation, and the costs that explain where speculation stops paying.
+
+For each batch size B the same prompts are split into batches of B. Every setting (target only,
+fixed K, adaptive K, and fixed K with masking instead of compaction) runs on the same batch
+before the next batch is taken (interleaved, so machine drift hits every setting alike).
+Aggregate tokens/s = all rows' new tokens / decode seconds. Greedy outputs are identical across
+settings (exactness), so every setting produces the same tokens.
+
+Costs (micro-benchmarked on the same sessions, B rows after a past of `past_len`):
+verify(B, s) is one target call with s new tokens per row, step(B) one draft call with one token
+per row. With K drafts a round costs K * step(B) + verify(B, K + 1) and emits B * E(K) tokens;
+target-only emits B tokens per verify(B, 1). On a CPU, verify(B, K + 1) grows with B * (K + 1)
+once the matrix multiplies stop being bound by reading the weights, which is where
+speculation stops paying.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+from .pair import GenerationConfig, Pair
+
+
+@dataclass(frozen=True)
+class BatchBenchOptions:
+    """What `specedge bench --batch` measures."""
+
+    prompts: tuple[str, ...]
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    ks: tuple[int, ...] = (1, 2, 3, 4)
+    adaptive: bool = True
+    masking: bool = True  # also run the smallest K with finished rows masked, not compacted
+    max_new_tokens: int = 64
+    chat: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.batches or any(b < 1 for b in self.batches):
+            raise InputError(f"--batch takes positive integers, got {self.batches}")
+        if len(self.prompts) < max(self.batches):
+            raise InputError(f"--batch {max(self.batches)} needs at least that many prompts; "
+                             f"got {len(self.prompts)}")
+        if any(not 1 <= k <= 64 for k in self.ks):
+            raise InputError(f"--ks values must be in 1..64, got {self.ks}")
+
+
+@dataclass
+class BatchSetting:
+    name: str
+    k: int  # 0: target only
+    adaptive: bool = False
+    compact: bool = True
+    tokens: int = 0
+    seconds: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    k_sum: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class BatchRow:
+    batch: int
+    settings: list[BatchSetting] = field(default_factory=list)
+    costs: dict[str, float] = field(default_factory=dict)
+
+
+def _settings(pair: Pair, opts: BatchBenchOptions) -> list[BatchSetting]:
+    out = [BatchSetting("target only", 0)]
+    if pair.draft is None:
+        return out
+    out += [BatchSetting(f"K={k}", k) for k in opts.ks]
+    if opts.adaptive:
+        out.append(BatchSetting("adaptive", max(opts.ks), adaptive=True))
+    if opts.masking:
+        out.append(BatchSetting(f"K={min(opts.ks)} masked", min(opts.ks), compact=False))
+    return out
+
+
+def measure_batch_costs(pair: Pair, batch: int, ks: tuple[int, ...], past_len: int = 128,
+                        reps: int = 7) -> dict[str, float]:
+    """Median seconds of verify(B, s) for s in 1 and K+1, and of one draft step at batch B."""
+    rng = np.random.default_rng(0)
+    vocab = pair.manifest.vocab_size
+    rows = np.arange(batch)
+
+    def timed(model: Any, new: int) -> float:
+        cache = model.new_cache(batch, past_len + new + 1)
+        model.forward_rows(cache, rows, rng.integers(0, vocab, (batch, past_len)),
+                           np.full(batch, past_len))
+        times = []
+        for _ in range(reps):
+            cache.lengths[:] = past_len
+            t0 = time.perf_counter()
+            model.forward_rows(cache, rows, rng.integers(0, vocab, (batch, new)),
+                               np.full(batch, new))
+            times.append(time.perf_counter() - t0)
+        return float(statistics.median(times))
+
+    costs = {f"verify_{s}": timed(pair.target, s) for s in sorted({1, *(k + 1 for k in ks)})}
+    if pair.draft is not None:
+        costs["draft_step"] = timed(pair.draft, 1)
+    return costs
+
+
+def run_batch_bench(pair: Pair, opts: BatchBenchOptions,
+                    progress: Callable[[str], None] | None = None) -> list[BatchRow]:
+    """Run every batch size; greedy decoding."""
+    if pair.manifest.target.graph != "concat":
+        raise InputError(f"{pair.manifest.root}: batched decoding needs a pair exported with "
+                         "--graph concat (ONNX Runtime's CPU GroupQueryAttention takes one row "
+                         "when several tokens follow a past)")
+    report = []
+    warm = GenerationConfig(max_new_tokens=4, drafter="model" if pair.draft else "none",
+                            num_draft_tokens=2, chat=opts.chat)
+    pair.generate_batch(list(opts.prompts[:2]), warm)
+    for batch in opts.batches:
+        row = BatchRow(batch, _settings(pair, opts))
+        count = len(opts.prompts) // batch * batch
+        for start in range(0, count, batch):
+            prompts = list(opts.prompts[start:start + batch])
+            for s in row.settings:
+                cfg = GenerationConfig(
+                    max_new_tokens=opts.max_new_tokens, chat=opts.chat,
+                    drafter="model" if s.k else "none", num_draft_tokens=s.k or None,
+                    adaptive=s.adaptive)
+                result = pair.generate_batch(prompts, cfg, compact=s.compact)
+                st = result.stats
+                s.tokens += st.new_tokens
+                s.seconds += st.decode_s
+                s.proposed += st.proposed
+                s.accepted += st.accepted
+                s.rounds += st.rounds
+                s.k_sum += sum(st.draft_lengths)
+                if progress:
+                    progress(f"batch {batch}, {s.name}")
+        row.costs = measure_batch_costs(pair, batch, opts.ks)
+        report.append(row)
+    return report
+
+
+def rows_as_dicts(report: list[BatchRow]) -> list[dict[str, Any]]:
+    """One flat dict per (batch, setting), with speed-ups against target-only at that batch
+    and at batch 1, and the measured cost ratios."""
+    base1 = report[0].settings[0].tokens_per_s if report else 0.0
+    out = []
+    for row in report:
+        base = row.settings[0].tokens_per_s
+        verify1 = row.costs.get("verify_1", 0.0)
+        for s in row.settings:
+            entry: dict[str, Any] = {
+                "batch": row.batch, "setting": s.name, "tokens_per_s": s.tokens_per_s,
+                "speedup_vs_target_only": s.tokens_per_s / base if base else 0.0,
+                "vs_batch1_target_only": s.tokens_per_s / base1 if base1 else 0.0,
+                "acceptance": s.accepted / s.proposed if s.proposed else None,
+                "mean_k": s.k_sum / s.rounds if s.rounds else 0.0, "tokens": s.tokens}
+            if s.k and not s.adaptive and verify1:
+                entry["verify_ratio"] = row.costs.get(f"verify_{s.k + 1}", 0.0) / verify1
+                entry["draft_ratio"] = row.costs.get("draft_step", 0.0) / verify1
+            out.append(entry)
+    return out

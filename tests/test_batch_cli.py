@@ -1,0 +1,90 @@
+"""`specedge generate --batch FILE` and `specedge bench --batch 1,2,4`, on the tiny concat pair."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specedge.runtime.pair import GenerationConfig, Pair
+
+from .test_cli import assert_clean_error, invoke
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture(scope="module")
+def concat_dir(fixtures_dir: Path) -> Path:
+    return fixtures_dir / "tiny-llama-concat"
+
+
+def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path) -> None:
+    rows = [{"prompt": "Hi there", "max_new_tokens": 5},
+            {"prompt": "def add(a, b): return a + b " * 4, "max_new_tokens": 17},
+            {"messages": [{"role": "user", "content": "Hello"}], "max_new_tokens": 9}]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = invoke(runner, "generate", concat_dir, "--batch", batch, "--json", "-k", "3",
+                    "--fixed-k", "--drafter", "model")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["row"] for line in lines[:-1]] == [0, 1, 2]
+    assert lines[-1]["batch"]["rows"] == 3
+    pair = Pair.load(concat_dir)
+    for row, got in zip(rows, lines, strict=False):
+        cfg = GenerationConfig(max_new_tokens=row["max_new_tokens"], drafter="none",
+                               chat="messages" in row)
+        want = pair.generate(row.get("prompt") or row["messages"], cfg)
+        assert got["tokens"] == want.tokens and got["text"] == want.text
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "a", "foo": 1}', "unknown key"),
+    ('{"max_new_tokens": 3}', "exactly one of"),
+    ("not json", "not a JSON object"),
+    ('{"prompt": "a", "stop": "x"}', "list of strings"),
+    ("", "no rows"),
+])
+def test_bad_batch_files(runner: CliRunner, concat_dir: Path, tmp_path: Path, content: str,
+                         message: str) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    assert_clean_error(invoke(runner, "generate", concat_dir, "--batch", bad), message)
+
+
+def test_generate_needs_prompt_or_batch(runner: CliRunner, concat_dir: Path) -> None:
+    assert_clean_error(invoke(runner, "generate", concat_dir), "PROMPT or --batch")
+
+
+def test_batch_on_a_gqa_pair_is_a_clean_error(runner: CliRunner, tiny_pair_dir: Path,
+                                               tmp_path: Path) -> None:
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text('{"prompt": "a"}\n{"prompt": "bb"}\n')
+    assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "--batch", batch,
+                              "--drafter", "model"), "--graph concat")
+
+
+def test_bench_batch_reports_every_batch_and_setting(runner: CliRunner, concat_dir: Path,
+                                                     tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"prompt number {i} " * (i + 1) for i in range(4)))
+    out = tmp_path / "bench.json"
+    result = invoke(runner, "bench", concat_dir, "--batch", "1,2,4", "--ks", "1,2",
+                    "--prompts", prompts, "--max-new-tokens", "8", "--plain", "--json", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    settings = {(r["batch"], r["setting"]) for r in report["rows"]}
+    for b in (1, 2, 4):
+        for name in ("target only", "K=1", "K=2", "adaptive", "K=1 masked"):
+            assert (b, name) in settings
+        # Greedy and exact: every setting emits the same number of tokens at a batch size.
+        assert len({r["tokens"] for r in report["rows"] if r["batch"] == b}) == 1
+        assert set(report["costs"][str(b)]) >= {"verify_1", "verify_2", "verify_3",
+                                                 "draft_step"}
+    assert_clean_error(invoke(runner, "bench", concat_dir, "--batch", "8", "--prompts",
+                              prompts), "needs at least")
