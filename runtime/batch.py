@@ -83,43 +83,83 @@ class _Row:
     generated: list[int] = field(default_factory=list)
     draft_fed: list[int] = field(default_factory=list)
     reason: str | None = None
+    started: float = 0.0  # perf_counter after its prefill
+    counted: int = 0  # generated tokens already added to the batch totals
 
 
-def decode_batch(target: OrtModel, draft: OrtModel | None, requests: Sequence[RowRequest], *,
+class BatchDecoder:
+    """A running batch with `capacity` row slots; rows may join between rounds.
+
+    `add` prefills a request into a free slot (continuous batching: a slot frees when its
+    finished row is `release`d); `step` runs one round for every live row and returns the rows
+    that finished in it. `decode_batch` is the fixed-batch use of it.
+    """
+
+    def __init__(self, target: OrtModel, draft: OrtModel | None, *, capacity: int,
                  num_draft_tokens: int, adaptive: bool, eos_token_ids: tuple[int, ...],
-                 rngs: Sequence[np.random.Generator], max_len: int, compact: bool = True
-                 ) -> tuple[list[tuple[list[int], str, GenerationStats]], BatchStats]:
-    """Generate for every request; returns per row (new tokens, stop reason, stats) and totals."""
-    if not requests:
-        raise InputError("a batch needs at least one prompt")
-    k_max = num_draft_tokens if draft is not None else 0
-    batch = len(requests)
-    t_cache = target.new_cache(batch, max_len)
-    d_cache = draft.new_cache(batch, max_len) if draft is not None else None
-    rows = [_Row(i, r, list(r.prompt), rngs[i], GenerationStats(prompt_tokens=len(r.prompt)))
-            for i, r in enumerate(requests)]
-    totals = BatchStats(rows=batch)
-    t0 = time.perf_counter()
-    for row in rows:  # prefill one row at a time: prompts differ in length
-        _prefill(target, t_cache, row.index, row.tokens[:-1])
-        if draft is not None and d_cache is not None:
-            _prefill(draft, d_cache, row.index, row.tokens[:-1])
+                 max_len: int, compact: bool = True) -> None:
+        if capacity < 1:
+            raise InputError(f"batch capacity must be >= 1, got {capacity}")
+        self.target, self.draft = target, draft
+        self.k_max = num_draft_tokens if draft is not None else 0
+        self.t_cache = target.new_cache(capacity, max_len)
+        self.d_cache = draft.new_cache(capacity, max_len) if draft is not None else None
+        self.slots: list[_Row | None] = [None] * capacity
+        self.max_len, self.eos, self.compact = max_len, eos_token_ids, compact
+        self.tuner = AdaptiveK(self.k_max) if adaptive and self.k_max else None
+        self.totals = BatchStats()
+
+    @property
+    def live(self) -> list[_Row]:
+        return [r for r in self.slots if r is not None and r.reason is None]
+
+    def has_room(self) -> bool:
+        return any(r is None for r in self.slots)
+
+    def add(self, request: RowRequest, rng: np.random.Generator) -> _Row:
+        """Prefill `request` into a free slot; it takes part from the next round on."""
+        slot = next((i for i, r in enumerate(self.slots) if r is None), None)
+        if slot is None:
+            raise InputError(f"the batch is full ({len(self.slots)} rows); release a finished "
+                             "row first")
+        if len(request.prompt) < 1 or len(request.prompt) + 1 >= self.max_len:
+            raise InputError(f"a prompt of {len(request.prompt)} tokens does not fit the batch "
+                             f"context of {self.max_len}")
+        row = _Row(slot, request, list(request.prompt), rng,
+                   GenerationStats(prompt_tokens=len(request.prompt)))
+        t0 = time.perf_counter()
+        self.t_cache.lengths[slot] = 0
+        _prefill(self.target, self.t_cache, slot, row.tokens[:-1])
+        if self.draft is not None and self.d_cache is not None:
+            self.d_cache.lengths[slot] = 0
+            _prefill(self.draft, self.d_cache, slot, row.tokens[:-1])
             row.draft_fed = list(row.tokens[:-1])
         row.stats.prefill_s = time.perf_counter() - t0
-    totals.prefill_s = time.perf_counter() - t0
-    tuner = AdaptiveK(k_max) if adaptive and k_max else None
-    start = time.perf_counter()
-    while True:
-        live = [r for r in rows if r.reason is None]
+        row.started = time.perf_counter()
+        self.totals.prefill_s += row.stats.prefill_s
+        self.totals.rows += 1
+        self.slots[slot] = row
+        return row
+
+    def release(self, row: _Row) -> None:
+        """Free a finished row's slot for a new request."""
+        if self.slots[row.index] is row:
+            self.slots[row.index] = None
+
+    def step(self) -> list[_Row]:
+        """One round for every live row; returns the rows that finished in it."""
+        live = self.live
         if not live:
-            break
-        fed = live if compact else rows
-        k = tuner.k if tuner else k_max
+            return []
+        t_start = time.perf_counter()
+        target, draft, t_cache, d_cache = self.target, self.draft, self.t_cache, self.d_cache
+        fed = live if self.compact else [r for r in self.slots if r is not None]
+        k = self.tuner.k if self.tuner else self.k_max
         ks = {r.index: max(0, min(k, r.request.max_new_tokens - len(r.generated) - 1,
-                                  max_len - len(r.tokens) - 1)) for r in live}
+                                  self.max_len - len(r.tokens) - 1)) for r in live}
         k_round = max(ks.values())
         drafts, probs, draft_s, step_s, step_calls = _draft(
-            draft, d_cache, live, ks, k_round, compact) if k_round and draft else (
+            draft, d_cache, live, ks, k_round, self.compact) if k_round and draft else (
             {r.index: [] for r in live}, {}, 0.0, 0.0, 0)
         t1 = time.perf_counter()
         blocks = [[r.tokens[-1], *drafts.get(r.index, [])] if r.reason is None else [0]
@@ -128,7 +168,8 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, requests: Sequence[Ro
                          [len(b) if r.reason is None else 0 for r, b in zip(fed, blocks,
                                                                            strict=True)])
         verify_s = time.perf_counter() - t1
-        accepted_counts = []
+        outcomes: list[tuple[int, int]] = []
+        finished: list[_Row] = []
         for i, row in enumerate(fed):
             if row.reason is not None:
                 continue
@@ -146,7 +187,7 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, requests: Sequence[Ro
                 else:
                     emitted = np.asarray([sample_token(target_probs[0], row.rng)], np.int64)
             accepted = len(emitted) - 1
-            accepted_counts.append((n, accepted))
+            outcomes.append((n, accepted))
             old = len(row.tokens)
             row.tokens.extend(int(t) for t in emitted)
             # The target holds every committed token but the last, which the next round feeds.
@@ -156,35 +197,52 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, requests: Sequence[Ro
                 keep = min(keep, len(row.tokens) - 1, len(row.draft_fed))
                 del row.draft_fed[keep:]
                 d_cache.lengths[row.index] = keep
-            _commit(row, [int(t) for t in emitted], eos_token_ids, max_len)
+            _commit(row, [int(t) for t in emitted], self.eos, self.max_len)
             st = row.stats
-            st.draft_calls += n
-            if row.reason is not None:  # the row's own decode time ends when it finishes
-                st.decode_s = time.perf_counter() - start
             st.rounds += 1
             st.proposed += n
             st.accepted += accepted
+            st.draft_calls += n
             st.target_calls += 1
             st.draft_lengths.append(n)
             st.accepted_lengths.append(accepted)
-            share = 1.0 / len(live)
-            st.verify_s += verify_s * share
-            st.draft_s += draft_s * share
+            st.verify_s += verify_s / len(live)
+            st.draft_s += draft_s / len(live)
+            st.new_tokens = len(row.generated)
+            st.decode_s = time.perf_counter() - row.started
+            if row.reason is not None:
+                finished.append(row)
+        totals = self.totals
         totals.rounds += 1
         totals.live_rows.append(len(live))
         totals.draft_lengths.append(k_round)
-        totals.proposed += sum(n for n, _ in accepted_counts)
-        totals.accepted += sum(a for _, a in accepted_counts)
+        totals.proposed += sum(n for n, _ in outcomes)
+        totals.accepted += sum(a for _, a in outcomes)
+        totals.new_tokens += sum(len(r.generated) - r.counted for r in live)
+        for r in live:
+            r.counted = len(r.generated)
         totals.draft_s += draft_s
         totals.verify_s += verify_s
-        if tuner is not None:
-            tuner.update_batch(k_round, accepted_counts, step_s, step_calls, verify_s)
-    totals.decode_s = time.perf_counter() - start
-    totals.new_tokens = sum(len(r.generated) for r in rows)
-    for row in rows:
-        row.stats.new_tokens = len(row.generated)
-        row.stats.decode_s = row.stats.decode_s or totals.decode_s
-    return [(r.generated, r.reason or "max_new_tokens", r.stats) for r in rows], totals
+        totals.decode_s += time.perf_counter() - t_start
+        if self.tuner is not None:
+            self.tuner.update_batch(k_round, outcomes, step_s, step_calls, verify_s)
+        return finished
+
+
+def decode_batch(target: OrtModel, draft: OrtModel | None, requests: Sequence[RowRequest], *,
+                 num_draft_tokens: int, adaptive: bool, eos_token_ids: tuple[int, ...],
+                 rngs: Sequence[np.random.Generator], max_len: int, compact: bool = True
+                 ) -> tuple[list[tuple[list[int], str, GenerationStats]], BatchStats]:
+    """Generate for every request; returns per row (new tokens, stop reason, stats) and totals."""
+    if not requests:
+        raise InputError("a batch needs at least one prompt")
+    decoder = BatchDecoder(target, draft, capacity=len(requests),
+                           num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+                           eos_token_ids=eos_token_ids, max_len=max_len, compact=compact)
+    rows = [decoder.add(r, rngs[i]) for i, r in enumerate(requests)]
+    while decoder.live:
+        decoder.step()
+    return [(r.generated, r.reason or "max_new_tokens", r.stats) for r in rows], decoder.totals
 
 
 def _prefill(model: OrtModel, cache: KVCache, index: int, tokens: list[int]) -> None:

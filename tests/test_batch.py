@@ -144,3 +144,26 @@ def test_batched_sampling_keeps_each_rows_distribution(concat_pair: Pair) -> Non
         # Pool expected counts < 10: these distributions are flat over hundreds of tokens.
         assert gof(firsts[row], first, 10) > 1e-3, f"row {row}: first token"
         assert gof(seconds[row], second, 10) > 1e-3, f"row {row}: second token"
+
+
+def test_continuous_batching_rows_join_between_rounds(concat_pair: Pair) -> None:
+    """Capacity 2, five requests: later ones wait, then take freed slots mid-run."""
+    from specedge.runtime.serving import ContinuousBatch
+
+    server = ContinuousBatch(concat_pair, capacity=2, max_len=512, drafter="model",
+                             num_draft_tokens=3, adaptive=False)
+    budgets = [6, 25, 11, 4, 18]
+    configs = [GenerationConfig(max_new_tokens=b) for b in budgets]
+    first = server.submit(PROMPTS[0], configs[0])
+    results = dict(server.step())  # one round with one row
+    assert not results and len(server.decoder.live) == 1
+    ids = [first] + [server.submit(p, c) for p, c in zip(PROMPTS[1:] + PROMPTS[:1],
+                                                          configs[1:], strict=True)]
+    results.update(server.run())
+    assert sorted(results) == ids and not server.busy
+    assert max(server.decoder.totals.live_rows) == 2  # never more than the capacity
+    for rid, prompt, cfg in zip(ids, PROMPTS + PROMPTS[:1], configs, strict=True):
+        want = concat_pair.generate(prompt, replace(cfg, drafter="none"))
+        assert results[rid].tokens == want.tokens and results[rid].text == want.text
+    with pytest.raises(InputError, match="context"):
+        server.submit("x " * 600, GenerationConfig(max_new_tokens=8))
