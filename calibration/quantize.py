@@ -168,14 +168,17 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
     return out
 
 
+_PEAK_MARKER = "SPECEDGE_PEAK_RSS_MIB="
+
+
 def run_isolated(opts: QuantizeOptions, src: Path, dst: Path, feeds: list[dict[str, Any]],
-                  scratch: Path) -> None:
+                 scratch: Path) -> float | None:
     """Run the quantizer in a child process.
 
     onnxruntime.quantization creates its own InferenceSessions with per-session thread pools,
     which ONNX Runtime refuses once a process runs on the shared global pool (the runtime's
     default thread plan). The child has no such pool. Feeds travel as an .npz file read with
-    allow_pickle=False.
+    allow_pickle=False. Returns the child's peak RSS in MiB (None if it did not report one).
     """
     import json
     import subprocess
@@ -194,6 +197,9 @@ def run_isolated(opts: QuantizeOptions, src: Path, dst: Path, feeds: list[dict[s
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         raise ExportError(lines[-1][:400] if lines else f"{src}: {opts.method} failed")
+    peaks = [ln.split("=", 1)[1] for ln in proc.stdout.splitlines()
+             if ln.startswith(_PEAK_MARKER)]
+    return float(peaks[-1]) if peaks else None
 
 
 def _load_feeds(path: Path) -> list[dict[str, Any]]:
@@ -217,6 +223,9 @@ def _main(argv: list[str]) -> int:
     except ExportError as exc:
         print(f"{exc}", file=__import__("sys").stderr)
         return 1
+    import resource
+
+    print(f"{_PEAK_MARKER}{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
     return 0
 
 

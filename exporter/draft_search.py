@@ -84,6 +84,7 @@ class Candidate:
     build_s: float
     rows: dict[int, dict[str, float]] = field(default_factory=dict)  # K -> measurements
     draft_cost_ratio: float | None = None
+    peak_mib: float | None = None  # peak RSS of the build (its child process when isolated)
 
     def best(self) -> tuple[int, float]:
         k = max(self.rows, key=lambda k: self.rows[k]["speedup"])
@@ -104,7 +105,15 @@ def _vocab_candidate(base: Path, dst: Path, keep: np.ndarray) -> None:
     write_manifest(replace(manifest, root=dst, draft=draft), dst)
 
 
-def _self_draft_candidate(base: Path, dst: Path, method: str) -> None:
+def _peak_rss_mib() -> float:
+    """Peak RSS so far of this process and of its largest finished child (MiB)."""
+    import resource
+
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+               resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+
+
+def _self_draft_candidate(base: Path, dst: Path, method: str) -> float | None:
     """A pair whose draft is the target quantized with `method` (in a child process)."""
     from specedge.calibration.quantize import QuantizeOptions, run_isolated
 
@@ -115,7 +124,7 @@ def _self_draft_candidate(base: Path, dst: Path, method: str) -> None:
     (dst / "draft").mkdir()
     opts = QuantizeOptions(pair=base, output=dst, method=method,
                            symmetric=not SELF_DRAFTS[method][1])
-    run_isolated(opts, base / manifest.target.path, dst / "draft" / "model.onnx", [], dst)
+    peak = run_isolated(opts, base / manifest.target.path, dst / "draft" / "model.onnx", [], dst)
     files = {str(p.relative_to(dst)): sha256_file(p) for p in sorted((dst / "draft").iterdir())}
     source = {**manifest.target.source, "quantization": {
         "method": method, "block_size": opts.block_size, "symmetric": opts.symmetric,
@@ -124,6 +133,7 @@ def _self_draft_candidate(base: Path, dst: Path, method: str) -> None:
                     precision=method.split("-")[0], source=source,
                     validation={"self_draft_of": "target", "method": method})
     write_manifest(replace(manifest, root=dst, draft=draft), dst)
+    return peak
 
 
 def _measure(folder: Path, drafter: str, prompts: list[list[int]], opts: DraftSearchOptions
@@ -172,7 +182,7 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
         base = export_pair(ExportOptions(target=opts.target, output=work / "int4",
                                          precision=opts.precision, draft_precision="int4"))
         candidates = [Candidate("int4 self-draft", base.folder, "model",
-                                time.perf_counter() - t0)]
+                                time.perf_counter() - t0, peak_mib=_peak_rss_mib())]
         pair = Pair.load(base.folder, verify_hashes=False)
         eval_ids = [pair.encode_prompt(p, chat=True) for p in opts.eval_prompts]
         say("generating calibration text with the target")
@@ -187,8 +197,9 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
             label = SELF_DRAFTS[method][0]
             say(f"building the {label}")
             folder = work / method
-            _self_draft_candidate(base.folder, folder, method)
-            candidates.append(Candidate(label, folder, "model", time.perf_counter() - t1))
+            peak = _self_draft_candidate(base.folder, folder, method)
+            candidates.append(Candidate(label, folder, "model", time.perf_counter() - t1,
+                                        peak_mib=peak))
         heads = [c for c in candidates if c.name in ("int4 self-draft",
                                                       SELF_DRAFTS["int8-rtn"][0])]
         for head_base in heads:
@@ -225,6 +236,7 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
                  "winner": {"name": winner.name, "drafter": winner.drafter, "k": k,
                             "speedup": speedup},
                  "candidates": [{"name": c.name, "drafter": c.drafter, "build_s": c.build_s,
+                                 "build_peak_rss_mib": c.peak_mib,
                                  "draft_cost_ratio": c.draft_cost_ratio,
                                  "rows": {str(k): r for k, r in c.rows.items()}}
                                 for c in candidates]}

@@ -158,7 +158,7 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
     out = Table(title=f"draft candidates for {target} (target only "
                       f"{table['target_only_tokens_per_s']:.1f} tok/s)")
     for col in ("candidate", "K", "tok/s", "speed-up", "acceptance", "tokens/round",
-                "draft cost", "build s"):
+                "draft cost", "build s", "build peak MiB"):
         out.add_column(col)
     for cand in table["candidates"]:
         for k, row in cand["rows"].items():
@@ -166,8 +166,10 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
             out.add_row(cand["name"], k, f"{row['tokens_per_s']:.1f}",
                         f"{row['speedup']:.2f}x", f"{row['acceptance']:.2f}",
                         f"{row['tokens_per_round']:.2f}",
-                        f"{ratio:.2f}" if ratio else "–", f"{cand['build_s']:.0f}")
-    Console(width=160).print(out)
+                        f"{ratio:.2f}" if ratio else "–", f"{cand['build_s']:.0f}",
+                        f"{cand['build_peak_rss_mib']:.0f}"
+                        if cand.get("build_peak_rss_mib") else "in process")
+    Console(width=180).print(out)
     w = table["winner"]
     click.echo(f"kept: {w['name']} at K={w['k']} ({w['speedup']:.2f}x) -> {output}")
 
