@@ -177,19 +177,28 @@ class AdaptiveK:
     E(k) = 1 + sum_{j<=k} prod_{i<=j} accept[i] tokens per round, at a cost of
     k * draft_step + verify(k + 1). k = 0 is plain target decoding, cost verify(1). verify(s) is a
     per-s moving average; unmeasured s are interpolated linearly. Every `probe_every` rounds a
-    neighbouring k is tried so that the costs and acceptances it relies on stay measured.
+    neighbouring k is tried so that the costs and acceptances it relies on stay measured; a probe
+    that does not change the choice doubles the interval (up to `max_probe_every`), because a
+    probe is not free (after rounds at k = 0 the draft must first catch up on what it missed).
     """
 
     def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
-                 probe_every: int = 16) -> None:
+                 probe_every: int = 16, max_probe_every: int = 256) -> None:
         self.k_max = k_max
         self.k = min(k_start, k_max)
         self.decay = decay
         self.accept = [0.7] * (k_max + 1)  # prior; index i = draft position (1-based)
+        self.seen = [0] * (k_max + 1)  # how many rounds measured each position
         self.draft_step: float | None = None
         self.verify: dict[int, float] = {}
         self.rounds = 0
         self.probe_every = probe_every
+        self.max_probe_every = max(probe_every, max_probe_every)
+        self.interval = probe_every
+        self.next_probe = probe_every
+        self.probing = False  # the current k is a probe
+        self._best_at_probe: int | None = None
+        self._probes = 0
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -208,7 +217,12 @@ class AdaptiveK:
         self.rounds += 1
         for proposed, accepted in outcomes:
             for i in range(1, min(proposed, accepted + 1) + 1):
-                self.accept[i] = self._ema(self.accept[i], 1.0 if i <= accepted else 0.0)
+                # A running mean until there are 1 / (1 - decay) samples, then the moving
+                # average: the prior does not linger once a position is measured.
+                self.seen[i] += 1
+                rate = max(1.0 - self.decay, 1.0 / self.seen[i])
+                hit = 1.0 if i <= accepted else 0.0
+                self.accept[i] += rate * (hit - self.accept[i])
         if draft_step_calls:
             self.draft_step = self._ema(self.draft_step, draft_step_s / draft_step_calls)
         self.verify[k + 1] = self._ema(self.verify.get(k + 1), verify_s)
@@ -230,9 +244,13 @@ class AdaptiveK:
         return max(self.verify[lo] + slope * (s - lo), 1e-9)
 
     def expected_tokens(self, k: int) -> float:
-        total, reach = 1.0, 1.0
+        """Tokens per round at k. A position never reached yet borrows the acceptance of the
+        deepest measured one (a flat 0.7 prior kept k at 1 when deeper positions accept 0.95)."""
+        total, reach, last = 1.0, 1.0, None
         for i in range(1, k + 1):
-            reach *= self.accept[i]
+            if self.seen[i]:
+                last = self.accept[i]
+            reach *= self.accept[i] if self.seen[i] or last is None else last
             total += reach
         return total
 
@@ -247,8 +265,20 @@ class AdaptiveK:
         rates = {k: self.expected_rate(k) for k in range(0, self.k_max + 1)}
         measured = {k: r for k, r in rates.items() if r is not None}
         best = max(measured, key=lambda k: measured[k]) if measured else self.k
-        if self.rounds % self.probe_every == 0:
+        if self._best_at_probe is not None:  # the round after a probe: did it change anything?
+            changed = best != self._best_at_probe
+            self.interval = self.probe_every if changed else min(2 * self.interval,
+                                                                 self.max_probe_every)
+            self.next_probe = self.rounds + self.interval
+            self._best_at_probe = None
+        self.probing = False
+        if self.rounds >= self.next_probe:
             # Probe a neighbour so the costs and acceptances it relies on stay measured.
-            step = 1 if (self.rounds // self.probe_every) % 2 else -1
-            return max(0, min(self.k_max, best + step))
+            self._probes += 1
+            step = 1 if self._probes % 2 or best == 0 else -1
+            probe = max(0, min(self.k_max, best + step))
+            if probe != best:
+                self._best_at_probe, self.probing = best, True
+                return probe
+            self.next_probe = self.rounds + self.interval
         return best

@@ -183,7 +183,8 @@ def test_adaptive_backs_off_when_drafts_never_accepted() -> None:
     for _ in range(60):
         k = ak.k
         ak.update(k, 0, 0.005 * k, k, 0.010 + 0.001 * k)
-    assert ak.k == 0 or ak.rounds % ak.probe_every == 0
+    assert ak.k == 0 or ak.probing
+    assert ak.interval > ak.probe_every  # probes that change nothing get rarer
 
 
 def test_adaptive_grows_when_drafts_always_accepted() -> None:
@@ -192,3 +193,13 @@ def test_adaptive_grows_when_drafts_always_accepted() -> None:
         k = ak.k
         ak.update(k, k, 0.001 * k, k, 0.010 + 0.0005 * k)
     assert ak.k >= 4
+
+
+def test_adaptive_unexplored_positions_borrow_the_measured_acceptance() -> None:
+    """At k=1 with position 1 always accepted, deeper positions are not assumed to be the 0.7
+    prior: the tuner moves up even between probes."""
+    ak = AdaptiveK(6, k_start=1, probe_every=1000)
+    for _ in range(20):
+        k = ak.k
+        ak.update(k, k, 0.004 * k, k, 0.010 + 0.001 * k)
+    assert ak.k >= 3
