@@ -10,10 +10,11 @@ Candidates, each measured on held-out prompts (none assumed):
 - model-free n-gram prompt lookup, and hybrid (n-gram when it hits, otherwise the best draft
   model found above).
 Calibration text is the target's own greedy output on calibration prompts that are disjoint from
-the evaluation prompts. For every candidate and K the score is the measured decode tokens/s
-over target-only on the same prompts (target-only runs interleaved prompt by prompt with the
-candidate's, so that machine drift cancels), next to acceptance, tokens per round and the
-draft's cost.
+the evaluation prompts. All candidates share one target session and are scored in one pass:
+each evaluation prompt runs target-only, then every (candidate, K), so machine drift hits every
+setting alike and every speed-up is measured against the same target-only run. The table
+reports decode tokens/s, speed-up, acceptance, tokens per round, the draft's measured cost
+relative to a target step, and each candidate's build time and peak memory.
 The winner's drafter and K become the pair's defaults; the whole table (losers included, with
 build time) goes into the manifest's provenance and is printed.
 """
@@ -136,37 +137,58 @@ def _self_draft_candidate(base: Path, dst: Path, method: str) -> float | None:
     return peak
 
 
-def _measure(folder: Path, drafter: str, prompts: list[list[int]], opts: DraftSearchOptions
-             ) -> tuple[dict[int, dict[str, float]], float, float | None]:
-    """Tokens/s of each K and of target-only, interleaved prompt by prompt (drift-fair)."""
+def _measure_all(candidates: list[Candidate], base_folder: Path, prompts: list[list[int]],
+                 opts: DraftSearchOptions) -> float:
+    """Score every candidate and K in one pass, interleaved prompt by prompt with target-only.
+
+    All candidates share one target session (they differ only in their drafter), so each
+    prompt runs target-only once and then every (candidate, K): machine drift hits every
+    setting alike and every speed-up is against the same target-only run. Returns the
+    target-only tokens/s.
+    """
+    from specedge.runtime.backend import OrtModel
     from specedge.runtime.bench import measure_costs
 
-    pair = Pair.load(folder, verify_hashes=False)
-    configs: dict[int, GenerationConfig] = {0: GenerationConfig(
-        max_new_tokens=opts.max_new_tokens, drafter="none")}
-    for k in opts.ks:
-        configs[k] = GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter=drafter,
-                                      num_draft_tokens=k, adaptive=False)
-    sums = {k: [0.0, 0.0, 0.0, 0.0, 0.0] for k in configs}  # tokens, s, acc, prop, rounds
-    for cfg in configs.values():  # warm-up
-        pair.generate_ids(prompts[0], GenerationConfig(max_new_tokens=8, drafter=cfg.drafter,
-                                                       num_draft_tokens=cfg.num_draft_tokens))
+    base = Pair.load(base_folder, verify_hashes=False)
+    pairs: dict[Path, Pair] = {base_folder: base}
+    for cand in candidates:
+        if cand.folder not in pairs:
+            m = load_manifest(cand.folder, verify_hashes=False)
+            assert m.draft is not None
+            draft = OrtModel(m.root, m.draft, "draft", base.target.config)
+            pairs[cand.folder] = Pair(m, base.tokenizer, base.target, draft)
+    settings: list[tuple[Candidate | None, int, GenerationConfig]] = [
+        (None, 0, GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter="none"))]
+    for cand in candidates:
+        settings += [(cand, k, GenerationConfig(max_new_tokens=opts.max_new_tokens,
+                                                drafter=cand.drafter, num_draft_tokens=k,
+                                                adaptive=False)) for k in opts.ks]
+    sums = [[0.0] * 5 for _ in settings]  # tokens, seconds, accepted, proposed, rounds
+    for owner, _, cfg in settings:  # warm-up
+        pairs[owner.folder if owner else base_folder].generate_ids(
+            prompts[0], replace(cfg, max_new_tokens=8))
     for ids in prompts:
-        for k, cfg in configs.items():
-            _, _, st = pair.generate_ids(ids, cfg)
+        for (owner, _, cfg), total in zip(settings, sums, strict=True):
+            _, _, st = pairs[owner.folder if owner else base_folder].generate_ids(ids, cfg)
             for i, v in enumerate((st.new_tokens, st.decode_s, st.accepted, st.proposed,
                                    st.rounds)):
-                sums[k][i] += v
-    base = sums[0][0] / sums[0][1]
-    rows = {}
-    for k in opts.ks:
-        tokens, seconds, acc, prop, rounds = sums[k]
-        rows[k] = {"tokens_per_s": tokens / seconds, "acceptance": acc / prop if prop else 0.0,
-                   "tokens_per_round": tokens / rounds, "speedup": tokens / seconds / base,
-                   "target_only_tokens_per_s": base}
-    costs = measure_costs(pair, reps=9) if pair.draft is not None else None
-    ratio = costs.draft_step / costs.target[1] if costs and costs.draft_step else None
-    return rows, base, ratio
+                total[i] += v
+    baseline = sums[0][0] / sums[0][1]
+    for (owner, k, _), (tokens, seconds, accepted, proposed, rounds) in zip(settings, sums,
+                                                                            strict=True):
+        if owner is None:
+            continue
+        owner.rows[k] = {"tokens_per_s": tokens / seconds,
+                         "acceptance": accepted / proposed if proposed else 0.0,
+                         "tokens_per_round": tokens / rounds,
+                         "speedup": tokens / seconds / baseline,
+                         "target_only_tokens_per_s": baseline}
+    for cand in candidates:
+        if cand.drafter in ("model", "hybrid") and cand.draft_cost_ratio is None:
+            costs = measure_costs(pairs[cand.folder], reps=9)
+            if costs.draft_step:
+                cand.draft_cost_ratio = costs.draft_step / costs.target[1]
+    return baseline
 
 
 def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
@@ -213,22 +235,14 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
                 candidates.append(Candidate(f"{head_base.name}, {size}-token head", folder,
                                             "model", time.perf_counter() - t1))
         del pair
-        baseline = 0.0
-        for cand in candidates:
-            say(f"scoring {cand.name}")
-            cand.rows, base_tps, cand.draft_cost_ratio = _measure(cand.folder, cand.drafter,
-                                                                  eval_ids, opts)
-            baseline = max(baseline, base_tps)
-        best_model = max(candidates, key=lambda c: c.best()[1])
-        extra = [Candidate("n-gram prompt lookup", base.folder, "ngram", 0.0),
-                 Candidate(f"hybrid n-gram + {best_model.name}", best_model.folder, "hybrid",
-                           0.0)]
-        for cand in extra:
-            say(f"scoring {cand.name}")
-            cand.rows, base_tps, cand.draft_cost_ratio = _measure(cand.folder, cand.drafter,
-                                                                  eval_ids, opts)
-            baseline = max(baseline, base_tps)
-        candidates += extra
+        models = [c for c in candidates if c.drafter == "model"]
+        candidates.append(Candidate("n-gram prompt lookup", base.folder, "ngram", 0.0))
+        for model in models:
+            if "-token head" not in model.name:  # hybrid over every full-vocabulary draft
+                candidates.append(Candidate(f"hybrid n-gram + {model.name}", model.folder,
+                                            "hybrid", 0.0, peak_mib=model.peak_mib))
+        say(f"scoring {len(candidates)} candidates x K in {opts.ks}, interleaved")
+        baseline = _measure_all(candidates, base.folder, eval_ids, opts)
         winner = max(candidates, key=lambda c: c.best()[1])
         k, speedup = winner.best()
         table = {"target_only_tokens_per_s": baseline, "eval_prompts": len(eval_ids),
