@@ -97,7 +97,7 @@ class BatchDecoder:
 
     def __init__(self, target: OrtModel, draft: OrtModel | None, *, capacity: int,
                  num_draft_tokens: int, adaptive: bool, eos_token_ids: tuple[int, ...],
-                 max_len: int, compact: bool = True) -> None:
+                 max_len: int, compact: bool = True, tuner: AdaptiveK | None = None) -> None:
         if capacity < 1:
             raise InputError(f"batch capacity must be >= 1, got {capacity}")
         self.target, self.draft = target, draft
@@ -106,7 +106,8 @@ class BatchDecoder:
         self.d_cache = draft.new_cache(capacity, max_len) if draft is not None else None
         self.slots: list[_Row | None] = [None] * capacity
         self.max_len, self.eos, self.compact = max_len, eos_token_ids, compact
-        self.tuner = AdaptiveK(self.k_max) if adaptive and self.k_max else None
+        # `tuner`: a warm AdaptiveK (costs and acceptance learned earlier at this batch size).
+        self.tuner = (tuner or AdaptiveK(self.k_max)) if adaptive and self.k_max else None
         self.totals = BatchStats()
 
     @property
@@ -233,14 +234,16 @@ class BatchDecoder:
 
 def decode_batch(target: OrtModel, draft: OrtModel | None, requests: Sequence[RowRequest], *,
                  num_draft_tokens: int, adaptive: bool, eos_token_ids: tuple[int, ...],
-                 rngs: Sequence[np.random.Generator], max_len: int, compact: bool = True
+                 rngs: Sequence[np.random.Generator], max_len: int, compact: bool = True,
+                 tuner: AdaptiveK | None = None
                  ) -> tuple[list[tuple[list[int], str, GenerationStats]], BatchStats]:
     """Generate for every request; returns per row (new tokens, stop reason, stats) and totals."""
     if not requests:
         raise InputError("a batch needs at least one prompt")
     decoder = BatchDecoder(target, draft, capacity=len(requests),
                            num_draft_tokens=num_draft_tokens, adaptive=adaptive,
-                           eos_token_ids=eos_token_ids, max_len=max_len, compact=compact)
+                           eos_token_ids=eos_token_ids, max_len=max_len, compact=compact,
+                           tuner=tuner)
     rows = [decoder.add(r, rngs[i]) for i, r in enumerate(requests)]
     while decoder.live:
         decoder.step()

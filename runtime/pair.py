@@ -13,6 +13,8 @@ generator and statistics, so several threads may generate at once.
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ import numpy as np
 
 from .backend import OrtModel, SessionConfig, physical_cores
 from .batch import BatchStats, RowRequest, decode_batch
-from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from .drafters import AdaptiveK, Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .errors import InputError
 from .manifest import PairManifest, load_manifest
 from .sampling import SamplingParams
@@ -165,6 +167,10 @@ class Pair:
                  draft: OrtModel | None) -> None:
         self.manifest, self.tokenizer, self.target, self.draft = (manifest, tokenizer, target,
                                                                   draft)
+        # Adaptive-K state learned by batched generations, per (batch size, k max): the next
+        # batch of that size starts from what this device measured instead of from a prior.
+        self._batch_tuners: dict[tuple[int, int], AdaptiveK] = {}
+        self._tuner_lock = threading.Lock()
 
     @classmethod
     def load(cls, path: str | Path, *, providers: str | Sequence[str] = "cpu",
@@ -375,7 +381,9 @@ class Pair:
         Each row has its own sampling parameters, seed, token budget and stop strings (one
         config per prompt, or one for all); the drafter, k and adaptivity are shared by the
         batch. Each row's output is what `generate` gives it alone (greedy: token for token;
-        sampled: the same distribution). Needs a pair exported with `--graph concat`.
+        sampled: the same distribution). Needs a pair exported with `--graph concat`. With
+        adaptive K, the costs and acceptance learned by a batch are kept per batch size and
+        warm-start the next batch of that size (on this `Pair`).
         """
         import time
 
@@ -416,11 +424,21 @@ class Pair:
                                stop=t.push if c.stop else None)
                     for ids, c, t in zip(ids_list, configs, texts, strict=True)]
         adaptive = self._adaptive(first) and drafter == "model"
+        key = (len(prompts), k)
+        with self._tuner_lock:
+            stored = self._batch_tuners.get(key)
+        tuner = copy.deepcopy(stored) if stored is not None else None
+        if adaptive and tuner is None:
+            tuner = AdaptiveK(k)
         rows, totals = decode_batch(
             self.target, self.draft if drafter == "model" else None, requests,
             num_draft_tokens=k if drafter == "model" else 0, adaptive=adaptive,
             eos_token_ids=self.manifest.eos_token_ids,
-            rngs=[c.sampling.make_rng() for c in configs], max_len=max_len, compact=compact)
+            rngs=[c.sampling.make_rng() for c in configs], max_len=max_len, compact=compact,
+            tuner=tuner)
+        if adaptive and tuner is not None:
+            with self._tuner_lock:
+                self._batch_tuners[key] = tuner
         results = []
         for (tokens, reason, stats), ids, text, cfg in zip(rows, ids_list, texts, configs,
                                                             strict=True):

@@ -167,3 +167,18 @@ def test_continuous_batching_rows_join_between_rounds(concat_pair: Pair) -> None
         assert results[rid].tokens == want.tokens and results[rid].text == want.text
     with pytest.raises(InputError, match="context"):
         server.submit("x " * 600, GenerationConfig(max_new_tokens=8))
+
+
+def test_adaptive_batches_warm_start_from_the_last_batch_of_that_size(concat_pair: Pair
+                                                                      ) -> None:
+    pair = Pair(concat_pair.manifest, concat_pair.tokenizer, concat_pair.target,
+                concat_pair.draft)
+    cfg = GenerationConfig(max_new_tokens=12, drafter="model", num_draft_tokens=4,
+                           adaptive=True)
+    pair.generate_batch(PROMPTS[:2], cfg)
+    tuner = pair._batch_tuners[(2, 4)]
+    rounds = tuner.rounds
+    again = pair.generate_batch(PROMPTS[:2], cfg)
+    assert pair._batch_tuners[(2, 4)].rounds > rounds  # continued, not restarted
+    for prompt, got in zip(PROMPTS[:2], again.results, strict=True):
+        assert got.tokens == pair.generate(prompt, replace(cfg, drafter="none")).tokens
