@@ -7,6 +7,7 @@ with rich. Package errors (and Ctrl-C) become one clean line and a non-zero exit
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -32,7 +33,12 @@ def clean_errors(fn: F) -> F:
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
-            sys.exit(130)
+            # Cleanup already ran in the `finally` blocks on the way here. Leave now: a normal
+            # interpreter shutdown can meet the interrupt again (torch and onnxruntime
+            # threads) and then exits by SIGINT instead of 130.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         except OSError as exc:
             click.echo(f"error: {exc.filename or ''}: {exc.strerror or exc}", err=True)
             sys.exit(1)

@@ -78,8 +78,14 @@ def test_rewrite_matches_the_float_zero_point_model(tmp_path: Path, seed: int) -
     zp = next(i for i in rewritten.graph.initializer if i.name == mm.input[3])
     assert zp.data_type == onnx.TensorProto.UINT8
     x = np.random.default_rng(seed + 100).standard_normal((1, 5, k)).astype(np.float32)
-    outs = [ort.InferenceSession(str(tmp_path / f), providers=["CPUExecutionProvider"]).run(
-        None, {"x": x})[0] for f in ("f.onnx", "u.onnx")]
+    from specedge.runtime.backend import SessionConfig, _session_options, physical_cores
+
+    # The process-wide pool the runtime uses (another test may already have created it).
+    options = _session_options(SessionConfig(provider="cpu", intra_op_threads=physical_cores(),
+                                             shared_pool=True))
+    outs = [ort.InferenceSession(str(tmp_path / f), options,
+                                 providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+            for f in ("f.onnx", "u.onnx")]
     reference = x @ weight
     np.testing.assert_allclose(outs[0], reference, rtol=1e-4, atol=1e-4)  # ORT's float-zp rule
     np.testing.assert_allclose(outs[1], reference, rtol=1e-4, atol=1e-4)  # exact rewrite
