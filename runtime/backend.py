@@ -183,9 +183,6 @@ class KVCache:
             raise AssertionError(f"rollback to {new} from {self.lengths}: can only shrink")
         self.lengths = new.copy()
 
-    def reset(self) -> None:
-        self.lengths[:] = 0
-
 
 class OrtModel:
     """One exported model in an ONNX Runtime session (thread-safe to share between caches)."""
@@ -331,17 +328,21 @@ class OrtModel:
         count, width = tokens.shape
         lengths = cache.lengths[rows]
         past = int(lengths.max())
-        total = past + width
-        if total > cache.max_len:
-            raise InputError(f"{self.name} model: {total} tokens exceed the context of "
-                             f"{cache.max_len}")
+        total = past + width  # the padded attention span; only each row's own tokens are kept
+        if int((lengths + new_lens).max()) > cache.max_len:
+            raise InputError(f"{self.name} model: {int((lengths + new_lens).max())} tokens "
+                             f"exceed the context of {cache.max_len}")
         at = np.arange(total)[None, :]
         mask = ((at < lengths[:, None]) |
                 ((at >= past) & (at < past + new_lens[:, None]))).astype(np.int64)
         feeds: dict[str, Any] = {self.spec.input_ids: np.ascontiguousarray(tokens, np.int64),
                                  self.spec.attention_mask: mask}
         if self.spec.position_ids:
-            feeds[self.spec.position_ids] = lengths[:, None] + np.arange(width)[None, :]
+            # Padding slots of a short row get clamped positions: masked, never kept, and never
+            # past the model's position table (a row near the context limit next to a row with
+            # a longer block).
+            positions = lengths[:, None] + np.arange(width)[None, :]
+            feeds[self.spec.position_ids] = np.minimum(positions, self.spec.max_seq_len - 1)
         for (name, _), buf in zip(self._kv_names, cache.host, strict=True):
             feeds[name] = buf[rows, :, :past]  # fancy indexing: a contiguous copy
         names = [self.spec.logits] + [present for _, present in self._kv_names]

@@ -18,13 +18,14 @@ loop calls `commit(tokens)` with the new committed sequence so the drafter can r
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from .backend import KVCache, OrtModel
-from .sampling import SamplingParams, sample_token, warp_probs
+from .rounds import RowSampler, fed_prefix
 
 
 @dataclass
@@ -32,18 +33,22 @@ class Proposal:
     """Draft tokens `[n]` (n <= k) and the distributions they were drawn from `[n, vocab]`."""
 
     tokens: np.ndarray
-    probs: np.ndarray | None  # None: deterministic (one-hot) proposals
+    probs: np.ndarray | None  # None: no draft distribution needed (greedy, seeded, n-gram)
     seconds: float = 0.0  # time inside the draft model's run calls
     calls: int = 0
-    step_seconds: float = 0.0  # the part spent on single-token steps (what adaptive k models)
-    step_calls: int = 0
+    step_seconds: float = 0.0  # the cost per drafted position that adaptive k models
+    step_calls: int = 0  # drafted positions that cost is spread over
 
 
 class Drafter(Protocol):
-    """What the speculative loop needs from a drafter."""
+    """What the speculative loop needs from a drafter.
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> Proposal: ...
+    `position` is the output position of the first proposed token (for position-keyed
+    sampling, see `rounds.RowSampler`).
+    """
+
+    def propose(self, tokens: list[int], k: int, sampler: RowSampler,
+                position: int) -> Proposal: ...
 
     def commit(self, tokens: list[int]) -> None: ...
 
@@ -62,8 +67,8 @@ class ModelDrafter:
         self.fed: list[int] = []  # the tokens whose keys/values are in the cache
         self.stable = 0  # fed[:stable] equals the committed tokens
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> Proposal:
+    def propose(self, tokens: list[int], k: int, sampler: RowSampler,
+                position: int) -> Proposal:
         if k <= 0:
             return Proposal(np.zeros(0, np.int64), None)
         pending = tokens[len(self.fed):]
@@ -71,7 +76,7 @@ class ModelDrafter:
         probs: list[np.ndarray] = []
         seconds = step_seconds = 0.0
         step_calls = 0
-        for _ in range(k):
+        for i in range(k):
             t0 = time.perf_counter()
             logits = self.model.forward(self.cache, np.asarray([pending], np.int64))[0, -1]
             spent = time.perf_counter() - t0
@@ -80,26 +85,13 @@ class ModelDrafter:
                 step_seconds += spent
                 step_calls += 1
             self.fed.extend(pending)
-            ids = self.model.vocab_ids  # None, or the token ids a reduced head covers
-            if params.greedy:
-                best = int(np.argmax(logits))
-                token = best if ids is None else int(ids[best])
-            else:
-                p = warp_probs(logits, params)
-                pick = sample_token(p, rng)
-                if ids is None:
-                    token = pick
-                else:  # the draft distribution over the full vocabulary: zero off the subset
-                    token = int(ids[pick])
-                    full = np.zeros(self.model.spec.vocab_size)
-                    full[ids] = p
-                    p = full
+            token, p = sampler.draft_token(logits, position + i, self.model.vocab_ids)
+            if p is not None:
                 probs.append(p)
             drafts.append(token)
             pending = [token]
-        return Proposal(np.asarray(drafts, np.int64),
-                        None if params.greedy else np.stack(probs), seconds, k, step_seconds,
-                        step_calls)
+        return Proposal(np.asarray(drafts, np.int64), np.stack(probs) if probs else None,
+                        seconds, k, step_seconds, step_calls)
 
     def prefill(self, tokens: list[int]) -> None:
         """Feed all but the last committed token, so the first round drafts at once."""
@@ -108,10 +100,7 @@ class ModelDrafter:
             self.fed = list(tokens[:-1])
 
     def commit(self, tokens: list[int]) -> None:
-        keep = min(len(self.fed), len(tokens) - 1)
-        n = min(self.stable, keep)  # fed[:stable] is known to be committed: skip it
-        while n < keep and self.fed[n] == tokens[n]:
-            n += 1
+        n = fed_prefix(self.fed, tokens, self.stable)
         del self.fed[n:]
         self.stable = n
         self.cache.rollback(n)
@@ -123,7 +112,12 @@ class NgramDrafter:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest trailing
+        n-gram. A match that overlaps the tail (repeating text) continues with its own
+        proposal, i.e. the repetition period, so it still proposes k tokens."""
+        if k <= 0:
+            return []
         arr = np.asarray(tokens, np.int64)
         n_tok = len(arr)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
@@ -133,13 +127,18 @@ class NgramDrafter:
             hits = np.flatnonzero((windows == tail).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return [int(t) for t in arr[start:start + k]]
+                out: list[int] = []
+                for j in range(k):
+                    at = start + j
+                    out.append(int(arr[at]) if at < n_tok else out[at - n_tok])
+                return out
         return []
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> Proposal:
-        found = self.lookup(tokens, k) if k > 0 else []
-        return Proposal(np.asarray(found, np.int64), None)
+    def propose(self, tokens: list[int], k: int, sampler: RowSampler,
+                position: int) -> Proposal:
+        found = self.lookup(tokens, k)
+        # Free drafts: zero cost per drafted position, so adaptive k sees what they are worth.
+        return Proposal(np.asarray(found, np.int64), None, step_calls=len(found))
 
     def commit(self, tokens: list[int]) -> None:
         return None
@@ -148,18 +147,27 @@ class NgramDrafter:
         return None
 
 
+MIN_NGRAM_HIT = 3  # hybrid drafting takes an n-gram proposal of at least this many tokens
+
+
+def take_ngram(hit: Sequence[int], k: int, min_hit: int = MIN_NGRAM_HIT) -> bool:
+    """Hybrid drafting's rule: use an n-gram hit of at least min(min_hit, k) tokens."""
+    return len(hit) > 0 and len(hit) >= min(min_hit, k)
+
+
 class HybridDrafter:
     """N-gram lookup when it proposes at least `min_hit` tokens, the draft model otherwise."""
 
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_hit: int = 3) -> None:
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter,
+                 min_hit: int = MIN_NGRAM_HIT) -> None:
         self.model, self.ngram, self.min_hit = model, ngram, min_hit
 
-    def propose(self, tokens: list[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> Proposal:
-        hit = self.ngram.propose(tokens, k, params, rng)
-        if len(hit.tokens) >= min(self.min_hit, k):
+    def propose(self, tokens: list[int], k: int, sampler: RowSampler,
+                position: int) -> Proposal:
+        hit = self.ngram.propose(tokens, k, sampler, position)
+        if take_ngram(list(hit.tokens), k, self.min_hit):
             return hit
-        return self.model.propose(tokens, k, params, rng)
+        return self.model.propose(tokens, k, sampler, position)
 
     def commit(self, tokens: list[int]) -> None:
         self.model.commit(tokens)
@@ -282,3 +290,25 @@ class AdaptiveK:
                 return probe
             self.next_probe = self.rounds + self.interval
         return best
+
+
+def ngram_for(drafter: str) -> NgramDrafter | None:
+    """The n-gram lookup a drafter uses: every match for "ngram", and only matches of 2+
+    tokens for "hybrid" (a 1-token match is mostly chance, the draft model does better)."""
+    if drafter == "ngram":
+        return NgramDrafter()
+    if drafter == "hybrid":
+        return NgramDrafter(min_ngram=2)
+    return None
+
+
+def build_drafter(drafter: str, model: OrtModel | None, max_len: int) -> Drafter | None:
+    """The batch-1 drafter for a plan's drafter name (None: target only)."""
+    if drafter == "none":
+        return None
+    ngram = ngram_for(drafter)
+    if drafter == "ngram":
+        return ngram
+    assert model is not None, "the plan checked that a draft model is loaded"
+    own = ModelDrafter(model, model.new_cache(1, max_len))
+    return own if ngram is None else HybridDrafter(own, ngram)

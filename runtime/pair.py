@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,16 +25,19 @@ import numpy as np
 
 from .backend import OrtModel, SessionConfig, physical_cores
 from .batch import BatchStats, RowRequest, decode_batch
-from .drafters import AdaptiveK, Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from .drafters import AdaptiveK, build_drafter
 from .errors import InputError
 from .manifest import PairManifest, load_manifest
+from .policy import DRAFTER_CHOICES, DecodePlan, resolve_plan
+from .rounds import RowOutput, RowSampler
 from .sampling import SamplingParams
-from .speculative import LoopConfig, decode
+from .speculative import decode
 from .stats import GenerationStats
-from .text import IncrementalDetokenizer, StopStrings, Tokenizer
+from .text import StopStrings, Tokenizer
 
 Prompt = str | Sequence[Mapping[str, str]]
-DRAFTER_CHOICES = ("model", "ngram", "hybrid", "none")
+__all__ = ["DRAFTER_CHOICES", "BatchResult", "GenerationConfig", "GenerationResult", "Pair",
+           "Prompt", "ThreadPlan", "plan_threads"]
 
 
 @dataclass(frozen=True)
@@ -91,32 +95,6 @@ class BatchResult:
     stats: BatchStats
 
 
-class _RowText:
-    """Detokenization and stop strings of one batch row (same rules as `Pair.stream`)."""
-
-    def __init__(self, pair: Pair, ids: list[int], stop: tuple[str, ...]) -> None:
-        self.stops = StopStrings(list(stop))
-        self.detok = IncrementalDetokenizer(pair.tokenizer, prompt_ids=ids)
-        self.eos = pair.manifest.eos_token_ids
-        self.text = ""
-        self.stopped = False
-
-    def push(self, tokens: list[int]) -> bool:
-        """Add a round's tokens; True when a stop string appeared."""
-        self.text += self.detok.push_many([t for t in tokens if t not in self.eos])
-        if self.stops and (cut := self.stops.find(self.text)) is not None:
-            self.text, self.stopped = self.text[:cut], True
-        return self.stopped
-
-    def finish(self, reason: str) -> tuple[str, str]:
-        if self.stopped:
-            return self.text, "stop"
-        self.text += self.detok.flush()
-        if self.stops and (cut := self.stops.find(self.text)) is not None:
-            return self.text[:cut], "stop"
-        return self.text, reason
-
-
 @dataclass(frozen=True)
 class ThreadPlan:
     """Per-model ONNX Runtime thread settings (see `plan_threads`)."""
@@ -167,9 +145,9 @@ class Pair:
                  draft: OrtModel | None) -> None:
         self.manifest, self.tokenizer, self.target, self.draft = (manifest, tokenizer, target,
                                                                   draft)
-        # Adaptive-K state learned by batched generations, per (batch size, k max): the next
-        # batch of that size starts from what this device measured instead of from a prior.
-        self._batch_tuners: dict[tuple[int, int], AdaptiveK] = {}
+        # Adaptive-K state learned by batched generations, per (batch size, drafter, k max): the
+        # next such batch starts from what this device measured instead of from a prior.
+        self._batch_tuners: dict[tuple[int, str, int], AdaptiveK] = {}
         self._tuner_lock = threading.Lock()
 
     @classmethod
@@ -242,118 +220,70 @@ class Pair:
 
     # ------------------------------------------------------------------ generation
 
-    def _drafter(self, name: str, max_len: int) -> Drafter | None:
-        if name == "none":
-            return None
-        if name == "ngram":
-            return NgramDrafter()
-        if self.draft is None:
-            raise InputError(
-                f"drafter {name!r} needs a draft model but {self.manifest.root} has none; use "
-                "--drafter ngram or export a pair with --draft-precision"
-            )
-        model = ModelDrafter(self.draft, self.draft.new_cache(1, max_len))
-        # Hybrid trusts only matches of 2+ tokens: a 1-token match is mostly chance.
-        return model if name == "model" else HybridDrafter(model, NgramDrafter(min_ngram=2))
+    def plan(self, config: GenerationConfig | None = None) -> DecodePlan:
+        """How `config` decodes on this pair (drafter, K, adaptivity, context limit)."""
+        config = config or GenerationConfig()
+        return resolve_plan(self.manifest, has_draft=self.draft is not None,
+                            drafter=config.drafter, k=config.num_draft_tokens,
+                            adaptive=config.adaptive)
 
-    def _adaptive(self, config: GenerationConfig) -> bool:
-        """Adaptive k by default, except for seeded sampling.
+    def new_output(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
+                   text: bool = True) -> RowOutput:
+        """The output tracker of one generation: budget, eos, and (with text) stop strings."""
+        return RowOutput(config.max_new_tokens, self.manifest.eos_token_ids,
+                         tokenizer=self.tokenizer if text else None, prompt_ids=prompt_ids,
+                         stop=config.stop if text else ())
 
-        Adaptive k reacts to measured wall-clock costs, so its choices (and with them the
-        order in which random numbers are drawn) vary from run to run. The output distribution
-        is exact either way, but "same seed, same text" needs a fixed k, so a seeded sampled
-        generation uses the fixed k unless `adaptive=True` is asked for explicitly.
-        """
-        if config.adaptive is not None:
-            return config.adaptive
-        seeded = not config.sampling.greedy and config.sampling.seed is not None
-        return self.manifest.defaults.adaptive and not seeded
+    def _decode(self, ids: list[int], config: GenerationConfig, stats: GenerationStats,
+                output: RowOutput) -> Generator[list[int], None, str]:
+        plan = self.plan(config)
+        plan.check_prompt(len(ids))
+        max_len = plan.cache_len(len(ids), config.max_new_tokens)
+        stats.prompt_tokens = len(ids)
+        drafter = build_drafter(plan.drafter, self.draft, max_len)
+        cache = self.target.new_cache(1, max_len)
+        sampler = RowSampler(config.sampling, self.target.spec.vocab_size)
+        return decode(self.target, cache, drafter, ids, plan, sampler, output, stats)
 
     def stream_tokens(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
                       stats: GenerationStats | None = None
                       ) -> Generator[list[int], None, str]:
-        """Yield the token ids committed by each round (the lowest-level API)."""
+        """Yield the token ids kept by each round (the lowest-level API; stop strings are a
+        text matter and are not applied here)."""
         config = config or GenerationConfig()
         ids = self.check_ids(prompt_ids)
-        d = self.manifest.defaults
-        drafter_name = config.drafter or (d.drafter if self.draft or d.drafter == "ngram"
-                                          else "ngram")
-        k = config.num_draft_tokens or d.num_draft_tokens
-        limit = min(self.manifest.target.max_seq_len,
-                    self.manifest.draft.max_seq_len if self.manifest.draft else 1 << 30)
-        if len(ids) >= limit:
-            raise InputError(f"the prompt has {len(ids)} tokens but the context is {limit}; "
-                             "shorten it")
-        floors = [m.min_cache_len for m in (self.manifest.target, self.manifest.draft) if m]
-        max_len = min(limit, max([len(ids) + config.max_new_tokens + k + 1, *floors]))
         stats = stats if stats is not None else GenerationStats()
-        stats.prompt_tokens = len(ids)
-        drafter = self._drafter(drafter_name, max_len)
-        loop = LoopConfig(max_new_tokens=config.max_new_tokens, num_draft_tokens=k,
-                          adaptive=self._adaptive(config),
-                          eos_token_ids=self.manifest.eos_token_ids)
-        cache = self.target.new_cache(1, max_len)
-        rng = config.sampling.make_rng()
-        return decode(self.target, cache, drafter, ids, loop, config.sampling, rng, stats)
+        return self._decode(ids, config, stats, self.new_output(ids, config, text=False))
 
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
                stats: GenerationStats | None = None
                ) -> Generator[str, None, GenerationResult]:
         """Yield text deltas as they are generated (multi-byte safe, stop strings honoured)."""
-        result = yield from self._stream(prompt, config, stats)
-        return result
-
-    def _stream(self, prompt: Prompt, config: GenerationConfig | None,
-                stats: GenerationStats | None) -> Generator[str, None, GenerationResult]:
-        import time
-
         config = config or GenerationConfig()
         start = time.perf_counter()
         stats = stats if stats is not None else GenerationStats()
         ids = self.encode_prompt(prompt, chat=config.chat)
-        stops = StopStrings(list(config.stop))
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
-        gen = self.stream_tokens(ids, config, stats)
-        tokens: list[int] = []
-        text, emitted = "", 0
-        reason = "max_new_tokens"
+        output = self.new_output(ids, config)
+        gen = self._decode(ids, config, stats, output)
         try:
             while True:
                 try:
-                    chunk = next(gen)
-                except StopIteration as done:
-                    reason = done.value or reason
+                    next(gen)
+                except StopIteration:
                     break
-                tokens.extend(chunk)
-                text += detok.push_many([t for t in chunk
-                                         if t not in self.manifest.eos_token_ids])
-                if stops:
-                    cut = stops.find(text, emitted)
-                    if cut is not None:
-                        text = text[:cut]
-                        reason = "stop"
-                        gen.close()
-                        break
-                    safe = len(text) - stops.holdback(text)
-                else:
-                    safe = len(text)
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
-            if reason != "stop":
-                text += detok.flush()
-                if stops and (cut := stops.find(text, emitted)) is not None:
-                    text, reason = text[:cut], "stop"
-            if len(text) > emitted:
-                yield text[emitted:]
+                if delta := output.delta():
+                    yield delta
+            if delta := output.delta():
+                yield delta
         finally:
+            gen.close()
             stats.total_s = time.perf_counter() - start
-        return GenerationResult(text=text, tokens=tokens, prompt_tokens=ids, stop_reason=reason,
-                                stats=stats)
+        return GenerationResult(text=output.text, tokens=list(output.tokens), prompt_tokens=ids,
+                                stop_reason=output.finish(), stats=stats)
 
     def generate(self, prompt: Prompt, config: GenerationConfig | None = None) -> GenerationResult:
         """Generate a completion for a prompt (str) or chat messages (list of dicts)."""
-        gen = self._stream(prompt, config, GenerationStats())
+        gen = self.stream(prompt, config, GenerationStats())
         while True:
             try:
                 next(gen)
@@ -380,13 +310,11 @@ class Pair:
 
         Each row has its own sampling parameters, seed, token budget and stop strings (one
         config per prompt, or one for all); the drafter, k and adaptivity are shared by the
-        batch. Each row's output is what `generate` gives it alone (greedy: token for token;
-        sampled: the same distribution). Needs a pair exported with `--graph concat`. With
-        adaptive K, the costs and acceptance learned by a batch are kept per batch size and
-        warm-start the next batch of that size (on this `Pair`).
+        batch. Each row's output is what `generate` gives it alone (greedy and seeded: token for
+        token; unseeded: the same distribution). Needs a pair exported with `--graph concat`.
+        With adaptive K, the costs and acceptance learned by a batch are kept per batch size
+        and warm-start the next batch of that size (on this `Pair`).
         """
-        import time
-
         if isinstance(prompts, str) or not prompts:
             raise InputError("generate_batch takes a non-empty list of prompts")
         if configs is None or isinstance(configs, GenerationConfig):
@@ -398,56 +326,33 @@ class Pair:
         if len(shared) > 1:
             raise InputError("the rows of a batch share drafter, num_draft_tokens and adaptive; "
                              "per row: sampling, seed, max_new_tokens, stop, chat")
-        first = configs[0]
-        d = self.manifest.defaults
-        drafter = first.drafter or (d.drafter if self.draft is not None else "none")
-        if drafter in ("ngram", "hybrid"):
-            drafter = "model" if self.draft is not None else "none"
-        if drafter == "model" and self.draft is None:
-            raise InputError(f"drafter 'model' needs a draft model but {self.manifest.root} "
-                             "has none")
-        k = first.num_draft_tokens or d.num_draft_tokens
-        limit = min(self.manifest.target.max_seq_len,
-                    self.manifest.draft.max_seq_len if self.manifest.draft else 1 << 30)
+        plan = self.plan(configs[0])
         start = time.perf_counter()
         ids_list = [self.encode_prompt(p, chat=c.chat) for p, c in zip(prompts, configs,
                                                                         strict=True)]
         for ids in ids_list:
-            if len(ids) >= limit:
-                raise InputError(f"a prompt has {len(ids)} tokens but the context is {limit}; "
-                                 "shorten it")
-        floors = [m.min_cache_len for m in (self.manifest.target, self.manifest.draft) if m]
-        max_len = min(limit, max([len(i) + c.max_new_tokens + k + 1
-                                  for i, c in zip(ids_list, configs, strict=True)] + floors))
-        texts = [_RowText(self, ids, c.stop) for ids, c in zip(ids_list, configs, strict=True)]
-        requests = [RowRequest(prompt=ids, max_new_tokens=c.max_new_tokens, params=c.sampling,
-                               stop=t.push if c.stop else None)
-                    for ids, c, t in zip(ids_list, configs, texts, strict=True)]
-        adaptive = self._adaptive(first) and drafter == "model"
-        key = (len(prompts), k)
-        with self._tuner_lock:
-            stored = self._batch_tuners.get(key)
-        tuner = copy.deepcopy(stored) if stored is not None else None
-        if adaptive and tuner is None:
-            tuner = AdaptiveK(k)
-        rows, totals = decode_batch(
-            self.target, self.draft if drafter == "model" else None, requests,
-            num_draft_tokens=k if drafter == "model" else 0, adaptive=adaptive,
-            eos_token_ids=self.manifest.eos_token_ids,
-            rngs=[c.sampling.make_rng() for c in configs], max_len=max_len, compact=compact,
-            tuner=tuner)
-        if adaptive and tuner is not None:
+            plan.check_prompt(len(ids))
+        max_len = plan.cache_len(max(len(i) + c.max_new_tokens
+                                     for i, c in zip(ids_list, configs, strict=True)), 0)
+        requests = [RowRequest(prompt=ids, output=self.new_output(ids, c), params=c.sampling)
+                    for ids, c in zip(ids_list, configs, strict=True)]
+        key = (len(prompts), plan.drafter, plan.k)
+        tuner = None
+        if plan.adaptive:
+            with self._tuner_lock:
+                stored = self._batch_tuners.get(key)
+            tuner = copy.deepcopy(stored) if stored is not None else AdaptiveK(plan.k)
+        rows, totals = decode_batch(self.target, self.draft, plan, requests, max_len=max_len,
+                                    compact=compact, tuner=tuner)
+        if tuner is not None:
             with self._tuner_lock:
                 self._batch_tuners[key] = tuner
         results = []
-        for (tokens, reason, stats), ids, text, cfg in zip(rows, ids_list, texts, configs,
-                                                            strict=True):
-            if not cfg.stop:
-                text.push(tokens)
-            final, why = text.finish(reason)
-            stats.total_s = time.perf_counter() - start
-            results.append(GenerationResult(text=final, tokens=tokens, prompt_tokens=ids,
-                                            stop_reason=why, stats=stats))
+        for row, ids in zip(rows, ids_list, strict=True):
+            row.stats.total_s = time.perf_counter() - start
+            results.append(GenerationResult(text=row.output.text, tokens=list(row.generated),
+                                            prompt_tokens=ids, stop_reason=row.output.finish(),
+                                            stats=row.stats))
         return BatchResult(results=results, stats=totals)
 
     def info(self) -> dict[str, Any]:

@@ -30,6 +30,19 @@ class GenerationStats:
     draft_lengths: list[int] = field(default_factory=list)  # K used in each round
     accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted in each round
 
+    def record_round(self, proposed: int, accepted: int, *, verify_s: float, draft_s: float,
+                     draft_calls: int) -> None:
+        """Count one speculative round of this generation."""
+        self.rounds += 1
+        self.target_calls += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.draft_lengths.append(proposed)
+        self.accepted_lengths.append(accepted)
+        self.verify_s += verify_s
+        self.draft_s += draft_s
+        self.draft_calls += draft_calls
+
     @property
     def host_s(self) -> float:
         return max(0.0, self.decode_s - self.draft_s - self.verify_s)

@@ -125,16 +125,18 @@ def test_batched_sampling_keeps_each_rows_distribution(concat_pair: Pair) -> Non
     seconds: list[list[int]] = [[] for _ in prompts]
     accepted = same = 0
     for run in range(RUNS):
+        # Even runs are seeded (position-keyed sampling), odd runs are not (rejection rule).
         configs = [GenerationConfig(max_new_tokens=5, num_draft_tokens=3, adaptive=False,
                                     drafter="model",
-                                    sampling=replace(p, seed=int(rng.integers(2**31))))
+                                    sampling=replace(p, seed=int(rng.integers(2**31))
+                                                     if run % 2 == 0 else None))
                    for p in MIXED]
         batch = pair.generate_batch(prompts, configs)
         for row, result in enumerate(batch.results):
             firsts[row].append(result.tokens[0])
             seconds[row].append(result.tokens[1])
         accepted += batch.stats.accepted
-        if run < 100:  # same seed, same row alone: the same tokens (up to draft rounding)
+        if run < 200 and run % 2 == 0:  # same seed, same row alone: the same tokens
             same += sum(pair.generate_ids(i, c)[0] == r.tokens
                         for i, c, r in zip(ids, configs, batch.results, strict=True))
     assert same >= 0.97 * 400
@@ -176,9 +178,9 @@ def test_adaptive_batches_warm_start_from_the_last_batch_of_that_size(concat_pai
     cfg = GenerationConfig(max_new_tokens=12, drafter="model", num_draft_tokens=4,
                            adaptive=True)
     pair.generate_batch(PROMPTS[:2], cfg)
-    tuner = pair._batch_tuners[(2, 4)]
+    tuner = pair._batch_tuners[(2, "model", 4)]
     rounds = tuner.rounds
     again = pair.generate_batch(PROMPTS[:2], cfg)
-    assert pair._batch_tuners[(2, 4)].rounds > rounds  # continued, not restarted
+    assert pair._batch_tuners[(2, "model", 4)].rounds > rounds  # continued, not restarted
     for prompt, got in zip(PROMPTS[:2], again.results, strict=True):
         assert got.tokens == pair.generate(prompt, replace(cfg, drafter="none")).tokens

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from specedge.runtime.drafters import AdaptiveK, ModelDrafter, NgramDrafter
 from specedge.runtime.errors import InputError
 from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.policy import resolve_plan
+from specedge.runtime.rounds import RowOutput, RowSampler
 from specedge.runtime.sampling import SamplingParams
-from specedge.runtime.speculative import LoopConfig, decode
+from specedge.runtime.speculative import decode
 from specedge.runtime.stats import GenerationStats
 
 PROMPTS = ["The quick brown", "def add(a, b):", "héllo wörld 🙂", "Edge devices like",
@@ -46,12 +47,12 @@ def test_cache_invariant_holds_every_round(tiny_pair: Pair) -> None:
     assert tiny_pair.draft is not None
     cache = target.new_cache(1, 128)
     drafter = ModelDrafter(tiny_pair.draft, tiny_pair.draft.new_cache(1, 128))
-    cfg = LoopConfig(max_new_tokens=50, num_draft_tokens=3, adaptive=False,
-                     eos_token_ids=(10**9,))
+    plan = resolve_plan(tiny_pair.manifest, has_draft=True, drafter="model", k=3,
+                        adaptive=False)
     committed = list(prompt)
-    rng = np.random.default_rng(0)
-    for chunk in decode(target, cache, drafter, prompt, cfg, SamplingParams(temperature=0.9),
-                        rng, GenerationStats()):
+    sampler = RowSampler(SamplingParams(temperature=0.9), target.spec.vocab_size)
+    for chunk in decode(target, cache, drafter, prompt, plan, sampler, RowOutput(50, ()),
+                        GenerationStats()):
         committed += chunk
         assert int(cache.lengths[0]) == len(committed) - 1
         assert len(drafter.fed) <= len(committed) - 1

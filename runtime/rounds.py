@@ -1,0 +1,220 @@
+"""One speculative round, written once: how a row samples, verifies, commits and stops.
+
+Batch-1 decoding (`speculative.decode`) and batched decoding (`batch.BatchDecoder`) both call
+these pieces; only the scheduling around them differs, so "a batch row equals batch 1" holds by
+construction:
+
+- `RowSampler`: a row's randomness. Greedy takes the argmax. Seeded sampling is position-keyed:
+  the token at output position n is `argmax(p_n / E_n)` with `E_n` i.i.d. Exp(1) noise drawn
+  from (seed, n) alone (the Gumbel-max / exponential-race trick), so it is an exact sample of the
+  target's warped distribution and the same seed gives the same text for every K, drafter and
+  batch composition: the draft samples with the same noise and the target's choice is checked
+  greedily. Unseeded sampling uses the rejection rule of Leviathan et al. 2023 / Chen et al. 2023
+  (`sampling.accept_sample`), which accepts most often.
+- `RowOutput`: the eos / token budget / stop-string cut, applied token by token, so the result
+  (text, tokens, reason) is what target-only decoding gives, whatever K and drafter.
+- `fed_prefix`: how much of a draft cache survives a commit (rollback by length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .sampling import SamplingParams, accept_greedy, accept_sample, sample_token, warp_probs
+from .text import IncrementalDetokenizer, StopStrings, Tokenizer
+
+__all__ = ["RowOutput", "RowSampler", "fed_prefix"]
+
+
+class RowSampler:
+    """How one row turns logits into tokens: greedy, seeded (position-keyed) or random.
+
+    Args:
+        params: the row's sampling parameters.
+        vocab_size: the target's vocabulary (the noise covers every token id).
+    """
+
+    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+        self.params, self.vocab_size = params, vocab_size
+        self.seeded = not params.greedy and params.seed is not None
+        # Unseeded sampling draws from fresh entropy; seeded sampling needs no generator.
+        self.rng = params.make_rng() if not params.greedy and not self.seeded else None
+        self._noise: dict[int, np.ndarray] = {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    def noise(self, position: int) -> np.ndarray:
+        """Exp(1) noise `[vocab]` of output position `position` (seeded rows only)."""
+        e = self._noise.get(position)
+        if e is None:
+            assert self.params.seed is not None
+            gen = np.random.Generator(np.random.Philox(
+                key=np.asarray([self.params.seed % 2**64, position], dtype=np.uint64)))
+            e = gen.standard_exponential(self.vocab_size)
+            self._noise[position] = e
+        return e
+
+    def forget(self, below: int) -> None:
+        """Drop the noise of positions already committed (below `below`)."""
+        for pos in [p for p in self._noise if p < below]:
+            del self._noise[pos]
+
+    def _race(self, probs: np.ndarray, position: int, ids: np.ndarray | None) -> int:
+        e = self.noise(position)
+        return int(np.argmax(probs / (e if ids is None else e[ids])))
+
+    def draft_token(self, logits: np.ndarray, position: int, ids: np.ndarray | None = None,
+                    ) -> tuple[int, np.ndarray | None]:
+        """Pick the draft token for `position` from draft logits `[draft_vocab]`.
+
+        `ids` maps a reduced draft head's logits to token ids (None: the full vocabulary).
+        Returns the token and, for random sampling, the full-vocabulary draft distribution it
+        was drawn from (None otherwise: greedy and seeded verification need no draft
+        probabilities).
+        """
+        if self.params.greedy:
+            pick = int(np.argmax(logits))
+            return (pick if ids is None else int(ids[pick])), None
+        p = warp_probs(logits, self.params)
+        if self.seeded:
+            pick = self._race(p, position, ids)
+            return (pick if ids is None else int(ids[pick])), None
+        assert self.rng is not None
+        pick = sample_token(p, self.rng)
+        if ids is None:
+            return pick, p
+        full = np.zeros(self.vocab_size)
+        full[ids] = p
+        return int(ids[pick]), full
+
+    def verify(self, drafts: np.ndarray, draft_probs: np.ndarray | None, logits: np.ndarray,
+               position: int) -> np.ndarray:
+        """Verify `drafts` `[n]` against target logits `[n + 1, vocab]` (the first row predicts
+        output position `position`); returns the accepted drafts and one more token `[a + 1]`.
+
+        `draft_probs` `[n, vocab]` is needed for random sampling with a model draft; None means
+        deterministic proposals (n-gram), i.e. one-hot draft distributions.
+        """
+        if self.params.greedy:
+            return accept_greedy(drafts, logits)
+        target_probs = warp_probs(logits, self.params)  # [n + 1, vocab]
+        if self.seeded:
+            noise = np.stack([self.noise(position + j) for j in range(len(logits))])
+            return accept_greedy(drafts, target_probs / noise)
+        assert self.rng is not None
+        n = len(drafts)
+        if draft_probs is None:
+            draft_probs = np.zeros((n, logits.shape[-1]))
+            draft_probs[np.arange(n), drafts] = 1.0
+        return accept_sample(drafts, draft_probs, target_probs, self.rng)
+
+
+class RowOutput:
+    """A row's output: the tokens and text kept so far and why the row stopped.
+
+    Tokens are cut token by token, as target-only decoding would: at the token budget, after an
+    eos token (kept in `tokens`, never in the text), or after the token whose text completes a
+    stop string (the text is cut where the earliest stop string begins). Without a tokenizer
+    only tokens are tracked (stop strings need text).
+
+    Args:
+        max_new_tokens: the token budget.
+        eos_token_ids: tokens that end the generation.
+        tokenizer, prompt_ids: for the text (incremental, multi-byte safe); None: tokens only.
+        stop: stop strings.
+    """
+
+    def __init__(self, max_new_tokens: int, eos_token_ids: Sequence[int], *,
+                 tokenizer: Tokenizer | None = None, prompt_ids: Sequence[int] = (),
+                 stop: Sequence[str] = ()) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.stops = StopStrings(list(stop))
+        if self.stops and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        self.detok = (IncrementalDetokenizer(tokenizer, prompt_ids=list(prompt_ids))
+                      if tokenizer is not None else None)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.reason: str | None = None
+        self._searched = 0  # text[:_searched] holds no stop string
+        self._shown = 0  # characters handed out by `delta`
+        self._flushed = False
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def push(self, new: Sequence[int] | np.ndarray) -> list[int]:
+        """Add one round's committed tokens; returns the ones kept (a prefix of `new`)."""
+        kept: list[int] = []
+        for t in new:
+            if self.reason is not None:
+                break
+            if len(self.tokens) >= self.max_new_tokens:
+                self.reason = "max_new_tokens"
+                break
+            self.tokens.append(int(t))
+            kept.append(int(t))
+            if int(t) in self.eos:
+                self.reason = "eos"
+            elif self.detok is not None:
+                self.text += self.detok.push(int(t))
+                self._check_stop()
+        if self.reason is None and len(self.tokens) >= self.max_new_tokens:
+            self.reason = "max_new_tokens"
+        return kept
+
+    def _check_stop(self) -> None:
+        if self.stops and (cut := self.stops.find(self.text, self._searched)) is not None:
+            self.text, self.reason = self.text[:cut], "stop"
+        self._searched = len(self.text)
+
+    def stop_at(self, reason: str) -> None:
+        """End the row for a reason the loop decides (e.g. "context")."""
+        if self.reason is None:
+            self.reason = reason
+
+    def finish(self) -> str:
+        """Flush the detokenizer (a stop string may end in its held-back bytes); the reason."""
+        if self.reason is None:
+            self.reason = "max_new_tokens"
+        if self.detok is not None and self.reason != "stop" and not self._flushed:
+            self._flushed = True
+            self.text += self.detok.flush()
+            self._check_stop()
+        return self.reason
+
+    def delta(self) -> str:
+        """Text not handed out yet that no later token can change (stop-string prefixes and
+        unfinished characters are held back until the row decides them)."""
+        safe = len(self.text)
+        if self.stops and self.reason is None:
+            safe -= self.stops.holdback(self.text)
+        if safe <= self._shown:
+            return ""
+        out = self.text[self._shown:safe]
+        self._shown = safe
+        return out
+
+
+def fed_prefix(fed: list[int], tokens: Sequence[int], stable: int = 0) -> int:
+    """How many fed tokens stay valid after a commit: the common prefix of `fed` and the
+    committed `tokens`, at most `len(tokens) - 1` (the last token is fed next round).
+    `fed[:stable]` is known to be committed already and is not compared again."""
+    keep = min(len(fed), len(tokens) - 1)
+    n = min(stable, keep)
+    while n < keep and fed[n] == tokens[n]:
+        n += 1
+    return n
+
+
+def round_k(k: int, output: RowOutput, n_tokens: int, limit: int) -> int:
+    """The draft length a row can use this round: a round commits at most k + 1 tokens, which
+    must fit the row's remaining budget and the context limit."""
+    budget = output.max_new_tokens - len(output.tokens)
+    return max(0, min(k, budget - 1, limit - n_tokens - 1))
