@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .batch import BatchDecoder, BatchRow, RowRequest
 from .errors import InputError
 from .pair import GenerationConfig, GenerationResult, Pair, Prompt
+from .rounds import RowOutput
 
 
 @dataclass
@@ -64,6 +65,38 @@ class ContinuousBatch:
     @property
     def busy(self) -> bool:
         return bool(self.queue or self.running)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self.queue)
+
+    def output(self, request_id: int) -> RowOutput | None:
+        """The live output of a queued or running request (text and tokens so far, `delta()`
+        for streaming); None once it has finished and been returned by `step`."""
+        for p in self.queue:
+            if p.request_id == request_id:
+                return p.request.output
+        for p, _ in self.running.values():
+            if p.request_id == request_id:
+                return p.request.output
+        return None
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request (e.g. its client went away): a queued one leaves the queue, a running
+        one frees its slot now, so a waiting request joins at the next round. True if found."""
+        for p in list(self.queue):
+            if p.request_id == request_id:
+                self.queue.remove(p)
+                p.request.output.stop_at("cancelled")
+                return True
+        for slot, (p, row) in list(self.running.items()):
+            if p.request_id == request_id:
+                row.output.stop_at("cancelled")
+                del self.running[slot]
+                self.decoder.release(row)
+                return True
+        return False
 
     def step(self) -> list[tuple[int, GenerationResult]]:
         """Admit queued requests into free slots, run one round, return what finished."""

@@ -184,3 +184,21 @@ def test_adaptive_batches_warm_start_from_the_last_batch_of_that_size(concat_pai
     assert pair._batch_tuners[(2, "model", 4)].rounds > rounds  # continued, not restarted
     for prompt, got in zip(PROMPTS[:2], again.results, strict=True):
         assert got.tokens == pair.generate(prompt, replace(cfg, drafter="none")).tokens
+
+
+def test_continuous_batch_cancel_frees_the_slot(concat_pair: Pair) -> None:
+    from specedge.runtime.serving import ContinuousBatch
+
+    server = ContinuousBatch(concat_pair, capacity=1, drafter="model", num_draft_tokens=3)
+    cfg = GenerationConfig(max_new_tokens=30)
+    first = server.submit(PROMPTS[0], cfg)
+    second = server.submit(PROMPTS[2], cfg)
+    third = server.submit(PROMPTS[1], cfg)
+    assert server.step() == [] and server.queued == 2
+    out = server.output(first)
+    assert out is not None and out.tokens and not out.done
+    assert server.cancel(first) and server.cancel(third) and not server.cancel(99)
+    assert out.reason == "cancelled" and server.queued == 1
+    results = server.run()
+    assert set(results) == {second}
+    assert results[second].tokens == concat_pair.generate(PROMPTS[2], cfg).tokens
