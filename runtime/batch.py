@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .backend import KVCache, OrtModel
-from .drafters import AdaptiveK, ngram_for, take_ngram
+from .drafters import AdaptiveK, new_tuner, ngram_for, take_ngram
 from .errors import InputError
 from .policy import DecodePlan
 from .rounds import RowOutput, RowSampler, fed_prefix, round_k
@@ -67,8 +67,9 @@ class BatchStats:
 
     @property
     def tokens_per_s(self) -> float:
-        """Aggregate new tokens per second of decoding, all rows together."""
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        """Aggregate tokens per second of decoding, all rows together (each row's first token
+        comes from its prefill and is not counted, as in `GenerationStats.tokens_per_s`)."""
+        return max(0, self.new_tokens - self.rows) / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -89,6 +90,7 @@ class BatchRow:
     draft_stable: int = 0  # draft_fed[:draft_stable] is known to be committed
     started: float = 0.0  # perf_counter after its prefill
     counted: int = 0  # generated tokens already added to the batch totals
+    reported: bool = False  # returned by `BatchDecoder.step` as finished
 
     @property
     def reason(self) -> str | None:
@@ -128,7 +130,7 @@ class BatchDecoder:
         self.slots: list[BatchRow | None] = [None] * capacity
         self.compact = compact
         # `tuner`: a warm AdaptiveK (costs and acceptance learned earlier at this batch size).
-        self.tuner = (tuner or AdaptiveK(plan.k)) if plan.adaptive else None
+        self.tuner = (tuner or new_tuner(plan.drafter, plan.k)) if plan.adaptive else None
         self.totals = BatchStats()
 
     @property
@@ -152,7 +154,14 @@ class BatchDecoder:
                        GenerationStats(prompt_tokens=len(request.prompt)))
         t0 = time.perf_counter()
         self.t_cache.lengths[slot] = 0
-        _prefill(self.target, self.t_cache, slot, row.tokens[:-1])
+        # The prefill's last logits give the first token (as in batch 1): no extra call.
+        logits = _prefill(self.target, self.t_cache, slot, row.tokens)[-1:]  # [1, vocab]
+        first = row.sampler.verify(np.zeros(0, np.int64), None, logits, 0)
+        row.tokens.extend(int(t) for t in first)
+        row.output.push(first)
+        if not row.output.done and len(row.tokens) >= self.limit:
+            row.output.stop_at("context")
+        row.stats.new_tokens = len(row.generated)
         if self.draft is not None and self.d_cache is not None:
             self.d_cache.lengths[slot] = 0
             _prefill(self.draft, self.d_cache, slot, row.tokens[:-1])
@@ -162,6 +171,8 @@ class BatchDecoder:
         row.started = time.perf_counter()
         self.totals.prefill_s += row.stats.prefill_s
         self.totals.rows += 1
+        self.totals.new_tokens += len(row.generated)
+        row.counted = len(row.generated)
         self.slots[slot] = row
         return row
 
@@ -191,10 +202,16 @@ class BatchDecoder:
         return drafts, probs, seconds, {r.index for r in model_rows}
 
     def step(self) -> list[BatchRow]:
-        """One round for every live row; returns the rows that finished in it."""
+        """One round for every live row; returns the rows that finished in it (and rows whose
+        first token, from the prefill, already finished them)."""
+        finished = [r for r in self.slots if r is not None and r.output.done and
+                    not r.reported]
+        for row in finished:
+            row.output.finish()
+            row.reported = True
         live = self.live
         if not live:
-            return []
+            return finished
         t_start = time.perf_counter()
         fed = live if self.compact else [r for r in self.slots if r is not None]
         drafts, probs, draft_s, model_rows = self._propose(
@@ -207,7 +224,6 @@ class BatchDecoder:
                           for r, b in zip(fed, blocks, strict=True)])
         verify_s = time.perf_counter() - t1
         outcomes: list[tuple[int, int]] = []
-        finished: list[BatchRow] = []
         for i, row in enumerate(fed):
             if row.reason is not None:
                 continue
@@ -236,6 +252,7 @@ class BatchDecoder:
             row.stats.decode_s = time.perf_counter() - row.started
             if row.output.done:
                 row.output.finish()
+                row.reported = True
                 finished.append(row)
         totals = self.totals
         totals.rounds += 1
@@ -271,10 +288,12 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, plan: DecodePlan,
     return rows, decoder.totals
 
 
-def _prefill(model: OrtModel, cache: KVCache, index: int, tokens: list[int]) -> None:
-    if tokens:
-        model.forward_rows(cache, np.asarray([index]), np.asarray([tokens], np.int64),
-                           np.asarray([len(tokens)]))
+def _prefill(model: OrtModel, cache: KVCache, index: int, tokens: list[int]) -> np.ndarray:
+    """Feed `tokens` to row `index`; returns their logits `[len(tokens), vocab]`."""
+    if not tokens:
+        return np.zeros((0, model.logits_size), np.float32)
+    return model.forward_rows(cache, np.asarray([index]), np.asarray([tokens], np.int64),
+                              np.asarray([len(tokens)]))[0]
 
 
 def _draft(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks: dict[int, int],

@@ -191,13 +191,14 @@ class AdaptiveK:
     """
 
     def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
-                 probe_every: int = 16, max_probe_every: int = 256) -> None:
+                 probe_every: int = 16, max_probe_every: int = 256,
+                 draft_step: float | None = None) -> None:
         self.k_max = k_max
         self.k = min(k_start, k_max)
         self.decay = decay
         self.accept = [0.7] * (k_max + 1)  # prior; index i = draft position (1-based)
         self.seen = [0] * (k_max + 1)  # how many rounds measured each position
-        self.draft_step: float | None = None
+        self.draft_step = draft_step  # seconds per drafted position (0 for free drafts)
         self.verify: dict[int, float] = {}
         self.rounds = 0
         self.probe_every = probe_every
@@ -270,6 +271,8 @@ class AdaptiveK:
         return self.expected_tokens(k) / (k * (self.draft_step or 0.0) + verify)
 
     def choose(self) -> int:
+        if self.draft_step is None and self.k > 0:
+            return self.k  # no draft cost measured yet (e.g. no n-gram hit so far): keep trying
         rates = {k: self.expected_rate(k) for k in range(0, self.k_max + 1)}
         measured = {k: r for k, r in rates.items() if r is not None}
         best = max(measured, key=lambda k: measured[k]) if measured else self.k
@@ -300,6 +303,11 @@ def ngram_for(drafter: str) -> NgramDrafter | None:
     if drafter == "hybrid":
         return NgramDrafter(min_ngram=2)
     return None
+
+
+def new_tuner(drafter: str, k_max: int) -> AdaptiveK:
+    """Adaptive k for a drafter; n-gram drafts are free, so their cost is known up front."""
+    return AdaptiveK(k_max, draft_step=0.0 if drafter == "ngram" else None)
 
 
 def build_drafter(drafter: str, model: OrtModel | None, max_len: int) -> Drafter | None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .backend import OrtModel, SessionConfig, physical_cores
 from .batch import BatchStats, RowRequest, decode_batch
-from .drafters import AdaptiveK, build_drafter
+from .drafters import AdaptiveK, build_drafter, new_tuner
 from .errors import InputError
 from .manifest import PairManifest, load_manifest
 from .policy import DRAFTER_CHOICES, DecodePlan, resolve_plan
@@ -341,7 +341,8 @@ class Pair:
         if plan.adaptive:
             with self._tuner_lock:
                 stored = self._batch_tuners.get(key)
-            tuner = copy.deepcopy(stored) if stored is not None else AdaptiveK(plan.k)
+            tuner = copy.deepcopy(stored) if stored is not None else new_tuner(plan.drafter,
+                                                                               plan.k)
         rows, totals = decode_batch(self.target, self.draft, plan, requests, max_len=max_len,
                                     compact=compact, tuner=tuner)
         if tuner is not None:

@@ -14,7 +14,7 @@ from collections.abc import Generator
 import numpy as np
 
 from .backend import KVCache, OrtModel
-from .drafters import AdaptiveK, Drafter
+from .drafters import Drafter, new_tuner
 from .policy import DecodePlan
 from .rounds import RowOutput, RowSampler, round_k
 from .stats import GenerationStats
@@ -31,14 +31,19 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
     tokens = list(prompt)
     limit = min(plan.limit, target_cache.max_len)
     t0 = time.perf_counter()
+    # The prefill's last logits give the first token: no extra target call for it.
+    logits = target.forward(target_cache, np.asarray([tokens], np.int64))[0, -1:]  # [1, vocab]
+    first = sampler.verify(np.zeros(0, np.int64), None, logits, 0)
+    tokens.extend(int(t) for t in first)
     # Invariant: the target cache (and the draft's, after catch-up) holds exactly the committed
     # tokens but the last one, which is fed again at the start of the next round.
-    if len(tokens) > 1:
-        target.forward(target_cache, np.asarray([tokens[:-1]], np.int64))
     if drafter is not None:
         drafter.prefill(tokens)
     stats.prefill_s += time.perf_counter() - t0
-    adaptive = AdaptiveK(plan.k) if plan.adaptive and drafter else None
+    kept = output.push(first)
+    stats.new_tokens = len(output.tokens)
+    yield kept
+    adaptive = new_tuner(plan.drafter, plan.k) if plan.adaptive and drafter else None
     decode_start = time.perf_counter()
     try:
         while not output.done:

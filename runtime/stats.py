@@ -54,13 +54,15 @@ class GenerationStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per round (accepted drafts + the corrected or bonus token)."""
-        return self.new_tokens / self.rounds if self.rounds else 0.0
+        """Tokens per round: accepted drafts + the corrected or bonus token (the first token,
+        which comes from the prefill, is not a round's)."""
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
 
     @property
     def tokens_per_s(self) -> float:
-        """New tokens per second of decoding (prefill excluded)."""
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        """Tokens per second of decoding: the tokens after the first (which the prefill gives)
+        over the decode time (prefill excluded)."""
+        return max(0, self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def end_to_end_tokens_per_s(self) -> float:

@@ -204,3 +204,23 @@ def test_adaptive_unexplored_positions_borrow_the_measured_acceptance() -> None:
         k = ak.k
         ak.update(k, k, 0.004 * k, k, 0.010 + 0.001 * k)
     assert ak.k >= 3
+
+
+def test_first_token_comes_from_the_prefill(tiny_pair: Pair) -> None:
+    """Target-only decoding of n tokens costs the prefill plus n - 1 calls (issue 16)."""
+    target = tiny_pair.target
+    for n in (1, 2, 17):
+        before = target.calls
+        r = tiny_pair.generate("The quick", GenerationConfig(max_new_tokens=n, drafter="none"))
+        assert len(r.tokens) == n and r.stats.target_calls == n - 1
+        assert target.calls - before == n
+
+
+def test_batch_rows_finished_by_their_first_token(tiny_pair: Pair, fixtures_dir) -> None:  # noqa: ANN001
+    concat = Pair.load(fixtures_dir / "tiny-llama-concat")
+    cfgs = [GenerationConfig(max_new_tokens=1), GenerationConfig(max_new_tokens=9)]
+    batch = concat.generate_batch(["The quick", "def add(a, b):"], cfgs)
+    for prompt, cfg, got in zip(["The quick", "def add(a, b):"], cfgs, batch.results,
+                                strict=True):
+        assert got.tokens == concat.generate(prompt, cfg).tokens
+    assert [len(r.tokens) for r in batch.results] == [1, 9]
