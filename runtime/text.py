@@ -204,9 +204,6 @@ class Tokenizer:
         cls,
         folder: Path | str,
         *,
-        tokenizer_file: str = "tokenizer.json",
-        config_file: str = "tokenizer_config.json",
-        chat_template_file: str = "chat_template.jinja",
         bos_token_id: int | None = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> Tokenizer:
@@ -219,9 +216,6 @@ class Tokenizer:
 
         Args:
             folder: The folder holding the files.
-            tokenizer_file: Name of the `tokenizers` JSON file.
-            config_file: Name of the transformers tokenizer config.
-            chat_template_file: Name of the jinja chat template file.
             bos_token_id: Overrides the BOS id looked up from the config's `bos_token`.
             eos_token_ids: Overrides the EOS ids looked up from the config's `eos_token`.
 
@@ -232,7 +226,7 @@ class Tokenizer:
             ManifestError: If `tokenizer.json` is missing or any file is malformed.
         """
         folder = Path(folder)
-        tokenizer_path = folder / tokenizer_file
+        tokenizer_path = folder / "tokenizer.json"
         if not tokenizer_path.is_file():
             raise ManifestError(
                 f"tokenizer file {tokenizer_path} not found; the pair folder is incomplete, "
@@ -246,7 +240,7 @@ class Tokenizer:
             ) from exc
 
         config: dict[str, Any] = {}
-        config_path = folder / config_file
+        config_path = folder / "tokenizer_config.json"
         if config_path.is_file():
             try:
                 loaded = json.loads(config_path.read_text(encoding="utf-8"))
@@ -262,7 +256,7 @@ class Tokenizer:
             config = loaded
 
         chat_template: str | None = None
-        template_path = folder / chat_template_file
+        template_path = folder / "chat_template.jinja"
         if template_path.is_file():
             try:
                 chat_template = template_path.read_text(encoding="utf-8")
@@ -283,11 +277,6 @@ class Tokenizer:
             eos_token_ids=eos_token_ids,
             add_bos_token=add_bos is True,
         )
-
-    @property
-    def backend(self) -> tokenizers.Tokenizer:
-        """The underlying `tokenizers.Tokenizer`."""
-        return self._backend
 
     @property
     def vocab_size(self) -> int:
@@ -313,11 +302,6 @@ class Tokenizer:
     def eos_token_ids(self) -> tuple[int, ...]:
         """The ids that end generation (may be empty)."""
         return self._eos_token_ids
-
-    @property
-    def chat_template(self) -> str | None:
-        """The chat template source, or None."""
-        return self._chat_template
 
     @property
     def has_chat_template(self) -> bool:
@@ -380,32 +364,6 @@ class Tokenizer:
                 raise InputError(f"token ids must be non-negative, got {value}")
             values.append(value)
         return str(self._backend.decode(values, skip_special_tokens=skip_special_tokens))
-
-    def id_to_token(self, token_id: int) -> str | None:
-        """Returns the vocabulary entry of an id (its raw, e.g. byte-level, form).
-
-        Args:
-            token_id: The id.
-
-        Returns:
-            The token string, or None for an unknown id.
-        """
-        if token_id < 0:
-            return None
-        token = self._backend.id_to_token(int(token_id))
-        return None if token is None else str(token)
-
-    def token_to_id(self, token: str) -> int | None:
-        """Returns the id of a vocabulary entry.
-
-        Args:
-            token: The raw token string.
-
-        Returns:
-            The id, or None when the token is not in the vocabulary.
-        """
-        found = self._backend.token_to_id(token)
-        return None if found is None else int(found)
 
     def _template(self) -> jinja2.Template:
         """Compiles (once) the chat template in a sandboxed jinja environment."""

@@ -122,11 +122,6 @@ def test_loaded_metadata(tok: Tokenizer, backend: HFTokenizer) -> None:
     assert tok.bos_token_id == backend.token_to_id("<s>")
     assert tok.eos_token_ids == (backend.token_to_id("</s>"),)
     assert tok.has_chat_template
-    assert tok.id_to_token(tok.bos_token_id) == "<s>"
-    assert tok.id_to_token(10**6) is None
-    assert tok.id_to_token(-1) is None
-    assert tok.token_to_id("</s>") == tok.eos_token_ids[0]
-    assert tok.token_to_id("no such token") is None
 
 
 def test_id_overrides(folder: Path) -> None:
@@ -294,9 +289,9 @@ def test_emoji_split_across_byte_tokens(tok: Tokenizer) -> None:
     assert detok.flush() == ""
 
 
-def test_cjk_split_across_tokens(tok: Tokenizer) -> None:
+def test_cjk_split_across_tokens(tok: Tokenizer, backend: HFTokenizer) -> None:
     ids = tok.encode("日曜")
-    pieces = [tok.id_to_token(i) for i in ids]
+    pieces = [backend.id_to_token(i) for i in ids]
     assert len(ids) == 3, pieces  # 'æĹ¥', 'æĽ', 'ľ': 曜 is split in two tokens
     deltas, tail, _ = _stream(tok, ids)
     assert deltas == ["日", "", "曜"] and tail == ""
