@@ -1,1 +1,2 @@
-"""specedge.calibration: calibration data and pair measurement (see issue 6; not built yet)."""
+"""specedge.calibration: calibration data, calibrated quantization of a pair, and measurement
+(`tune`, the `draft` search). It may import the exporter and the runtime, never the CLI."""

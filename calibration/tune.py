@@ -7,13 +7,13 @@ default drafter and K (the manifest is rewritten atomically); `generate` and `be
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from specedge.runtime.errors import InputError
-from specedge.runtime.manifest import load_manifest, write_manifest
+from specedge.runtime.manifest import DRAFTERS, load_manifest, write_manifest
 from specedge.runtime.pair import GenerationConfig, Pair
 
 
@@ -31,9 +31,9 @@ class TuneOptions:
             raise InputError("tune needs calibration prompts")
         if any(not 1 <= k <= 64 for k in self.ks):
             raise InputError(f"--ks values must be in 1..64, got {self.ks}")
-        bad = [d for d in self.drafters if d not in ("model", "ngram", "hybrid")]
+        bad = [d for d in self.drafters if d not in DRAFTERS]
         if bad:
-            raise InputError(f"unknown drafter(s) {bad}; use model, ngram or hybrid")
+            raise InputError(f"unknown drafter(s) {bad}; use {', '.join(DRAFTERS)}")
 
 
 def tune(opts: TuneOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -59,8 +59,9 @@ def tune(opts: TuneOptions, progress: Callable[[str], None] | None = None) -> di
                 sums[key][i] += v
         if progress:
             progress(f"prompt {n + 1}/{len(ids)}")
-    rows = [{"drafter": d, "k": k, "tokens_per_s": s[0] / s[1],
-             "acceptance": s[2] / s[3] if s[3] else None} for (d, k), s in sums.items()]
+    rows: list[dict[str, Any]] = [
+        {"drafter": d, "k": k, "tokens_per_s": s[0] / s[1],
+         "acceptance": s[2] / s[3] if s[3] else None} for (d, k), s in sums.items()]
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base
@@ -80,8 +81,3 @@ def tune(opts: TuneOptions, progress: Callable[[str], None] | None = None) -> di
                        Path(opts.pair))
     return table
 
-
-def read_prompt_file(path: Path | None, fallback: Sequence[str]) -> tuple[str, ...]:
-    from specedge.runtime.bench import read_prompts
-
-    return read_prompts(path) if path is not None else tuple(fallback)

@@ -19,7 +19,6 @@ from typing import Any
 from specedge import __version__
 from specedge.runtime.errors import ExportError, InputError
 from specedge.runtime.manifest import (
-    PRECISIONS,
     Defaults,
     KVSpec,
     ModelSpec,
@@ -33,6 +32,8 @@ from .archs import arch_for
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 GRAPHS = ("gqa-shared", "concat")
+PRECISIONS = ("fp32", "fp16", *quantize.EXPORT_METHODS)  # what an export can write
+PROVIDERS = ("cpu", "cuda")  # what the graphs can be built for
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ class ExportOptions:
         if "fp16" in (self.precision, self.draft_precision) and self.provider == "cpu":
             raise InputError("fp16 graphs are built for GPUs: add --provider cuda, or use fp32, "
                              "int8 or int4 on cpu")
-        if self.provider not in ("cpu", "cuda"):
-            raise InputError(f"--provider {self.provider!r}: use cpu or cuda")
+        if self.provider not in PROVIDERS:
+            raise InputError(f"--provider {self.provider!r}: use {' or '.join(PROVIDERS)}")
         if not 1 <= self.num_draft_tokens <= 64:
             raise InputError(f"--num-draft-tokens {self.num_draft_tokens}: use 1..64")
 
@@ -211,14 +212,14 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
         if precision == "fp32":
             build = fp32
         else:
-            build.mkdir(parents=True, exist_ok=True)
-            if precision == "int8":
-                quantize.int8_dynamic(info.onnx_path, build / "model.onnx")
-            elif precision == "int4":
-                quantize.int4_weight_only(info.onnx_path, build / "model.onnx")
-            else:
+            if precision not in quantize.EXPORT_METHODS:
                 raise ExportError(f"{src.folder}: {arch.model_type} exports fp32, int8 or int4 "
                                   f"(not {precision}) in the {graph} form")
+            build.mkdir(parents=True, exist_ok=True)
+            # The same quantizer as `specedge quantize --method int8-dynamic` / `int4-rtn`; no
+            # calibration sessions, so it runs in this process.
+            quantize.quantize_model(quantize.QuantSettings(quantize.EXPORT_METHODS[precision]),
+                                    info.onnx_path, build / "model.onnx")
         info = onnx_export.GraphInfo(**{**info.__dict__, "onnx_path": build / "model.onnx"})
     moved = onnx_export.move_model(info.onnx_path, tmp / name)
     files = {str(p.relative_to(tmp)): sha256_file(p) for p in moved}

@@ -1,45 +1,263 @@
-"""Export-time quantization of an fp32 ONNX graph, delegated to onnxruntime.quantization.
+"""Quantization of an fp32 (or fp16) ONNX graph, one implementation per method name, delegated to
+onnxruntime.quantization (no hand-written quantizers).
 
-- int8: dynamic quantization (`quantize_dynamic`, int8 weights, activations quantized at run
-  time by DynamicQuantizeLinear + MatMulInteger).
-- int4: weight-only MatMulNBits (`MatMulNBitsQuantizer`, RTN by default, block size 32).
+`specedge export --precision int8|int4` and `specedge quantize --method ...` (and the self-drafts
+of `specedge draft`) all run `quantize_model`; `EXPORT_METHODS` says which method an export
+precision is. Methods:
 
-Calibrated methods (static int8 QDQ, GPTQ, HQQ, k-quant) belong to `specedge.calibration`.
+- `int8-dynamic` (`quantize_dynamic`, per-channel int8 weights, activations quantized at run time
+  by DynamicQuantizeLinear + MatMulInteger): uncalibrated; what `export --precision int8` makes.
+- `int8-minmax`, `int8-entropy`, `int8-percentile`: static int8 QDQ (`quantize_static`), the
+  explicit-quantization form TensorRT consumes; activations calibrated on the given feeds.
+- `fp16` with an op block list (attention and norms stay fp32; `exclude` adds nodes).
+- `fp8`: FP8 E4M3 QDQ (distribution calibration, ORT's only method for float types), for GPUs
+  with FP8 (Hopper, Ada) through TensorRT.
+- `int4-rtn`, `int8-rtn`: weight-only MatMulNBits, round to nearest with block-wise scales
+  (ORT's default weight-only quantizer); int8 compute at accuracy level 4. `int4-rtn` is what
+  `export --precision int4` makes in the concat form.
+- `int4-hqq`, `int4-kquant`, `int4-gptq` (calibrated on the feeds): weight-only MatMulNBits.
+  HQQ's float zero points are rewritten exactly into the fast uint8 layout plus a small
+  correction (`zero_points.py`), because ORT's CPU kernel for float zero points is about 15x
+  slower.
+
+Mixed precision: `exclude` keeps those MatMul nodes in float, e.g. the LM head (`/lm_head/MatMul`).
+Calibration data (the feeds) and the pair-level workflow live in `specedge.calibration`.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from specedge.runtime.errors import ExportError
+import numpy as np
+
+from specedge.runtime.errors import ExportError, InputError
+
+from . import zero_points
+
+METHODS = ("fp16", "fp8", "int8-dynamic", "int8-minmax", "int8-entropy", "int8-percentile",
+           "int8-rtn", "int4-rtn", "int4-hqq", "int4-kquant", "int4-gptq")
+# Methods whose quantizer reads calibration feeds (the others ignore them).
+CALIBRATED = ("fp8", "int8-minmax", "int8-entropy", "int8-percentile", "int4-gptq")
+# Methods whose histogram calibrators need every feed to have one shape.
+HISTOGRAM = ("fp8", "int8-entropy", "int8-percentile")
+# `export --precision P` quantizes the fp32 export with this method (int4 in the gqa-shared form
+# is made by the ONNX Runtime GenAI builder instead).
+EXPORT_METHODS = {"int8": "int8-dynamic", "int4": "int4-rtn"}
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+# Ops kept in fp32 by `fp16`: attention (its KV buffers stay fp32 and shared in place) and the
+# RMS norms (reductions that lose precision in fp16).
+FP16_BLOCK_LIST = ("GroupQueryAttention", "SimplifiedLayerNormalization",
+                   "SkipSimplifiedLayerNormalization", "RotaryEmbedding")
 
 
-def int8_dynamic(src: Path, dst: Path) -> None:
-    """Dynamic int8 quantization of every MatMul (weights int8, activations at run time)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+@dataclass(frozen=True)
+class QuantSettings:
+    """How to quantize one graph.
 
-    try:
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8,
-                         op_types_to_quantize=["MatMul"], use_external_data_format=True,
-                         extra_options={"MatMulConstBOnly": True})
-    except Exception as exc:  # onnxruntime.quantization raises plain exceptions
-        raise ExportError(f"{src}: int8 dynamic quantization failed ({exc})") from None
+    Attributes:
+        method: one of `METHODS`.
+        block_size: weight-only block size (MatMulNBits methods).
+        accuracy_level: MatMulNBits compute: 4 = int8 activations, 1 = fp32.
+        exclude: MatMul node names kept in float.
+        symmetric: False gives uint8 zero points (asymmetric weight-only grids).
+    """
+
+    method: str
+    block_size: int = 32
+    accuracy_level: int = 4
+    exclude: tuple[str, ...] = ()
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InputError(f"--method {self.method!r}: use one of {', '.join(METHODS)}")
+        if self.block_size not in BLOCK_SIZES:
+            raise InputError(f"--block-size {self.block_size}: use "
+                             f"{', '.join(map(str, BLOCK_SIZES))}")
+
+    @property
+    def precision(self) -> str:
+        """The manifest precision of the result (`int4-hqq` -> `int4`)."""
+        return self.method.split("-")[0]
 
 
-def int4_weight_only(src: Path, dst: Path, block_size: int = 32) -> None:
-    """int4 weight-only MatMulNBits (RTN, symmetric, accuracy level 4 = int8 compute on CPU)."""
+class _Reader:
+    """onnxruntime.quantization.CalibrationDataReader over a list of feeds (re-iterable)."""
+
+    def __init__(self, feeds: list[dict[str, Any]]) -> None:
+        self.feeds = feeds
+        self.index = 0
+
+    def get_next(self) -> dict[str, Any] | None:
+        if self.index >= len(self.feeds):
+            return None
+        self.index += 1
+        return self.feeds[self.index - 1]
+
+    def rewind(self) -> None:
+        self.index = 0
+
+    def __iter__(self) -> Any:
+        return iter(self.feeds)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Reader:
+        return _Reader(self.feeds)
+
+
+def quantize_model(settings: QuantSettings, src: Path, dst: Path,
+                   feeds: list[dict[str, Any]] | None = None) -> None:
+    """Quantize the graph `src` into `dst` (external data next to it) in this process.
+
+    The calibrated methods create their own InferenceSessions with per-session thread pools,
+    which ONNX Runtime refuses in a process that already runs on the shared global pool: run
+    those through `run_isolated`.
+
+    Raises:
+        ExportError: the quantizer failed (its first line is in the message).
+    """
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import (
-        DefaultWeightOnlyQuantConfig,
-        MatMulNBitsQuantizer,
+    from onnxruntime.quantization import (
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
     )
+    from onnxruntime.quantization import matmul_nbits_quantizer as nbits
 
-    model = onnx.load(str(src))
-    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True,
-                                          accuracy_level=4)
+    s = settings
+    method = s.method
+    feeds = feeds or []
+    exclude = list(s.exclude)
     try:
-        quant = MatMulNBitsQuantizer(model, algo_config=config)
+        if method == "int8-dynamic":  # the uncalibrated int8 baseline
+            quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                             op_types_to_quantize=["MatMul"], use_external_data_format=True,
+                             nodes_to_exclude=exclude, extra_options={"MatMulConstBOnly": True})
+            return
+        if method == "fp16":
+            from onnxruntime.transformers.float16 import convert_float_to_float16
+
+            model16 = convert_float_to_float16(
+                onnx.load(str(src)), keep_io_types=True, op_block_list=list(FP16_BLOCK_LIST),
+                node_block_list=exclude, disable_shape_infer=True)
+            onnx.save(model16, str(dst), save_as_external_data=True,
+                      location=dst.name + ".data")
+            return
+        if method == "fp8":  # FP8 E4M3 QDQ, for GPUs that have FP8 (TensorRT)
+            quantize_static(str(src), str(dst), _Reader(feeds), quant_format=QuantFormat.QDQ,
+                            op_types_to_quantize=["MatMul"],
+                            activation_type=QuantType.QFLOAT8E4M3FN,
+                            weight_type=QuantType.QFLOAT8E4M3FN,
+                            calibrate_method=CalibrationMethod.Distribution,
+                            nodes_to_exclude=exclude, use_external_data_format=True,
+                            extra_options={"ActivationSymmetric": True,
+                                           "WeightSymmetric": True, "MatMulConstBOnly": True})
+            return
+        if method in ("int8-minmax", "int8-entropy", "int8-percentile"):
+            calibrate = {"int8-minmax": CalibrationMethod.MinMax,
+                         "int8-entropy": CalibrationMethod.Entropy,
+                         "int8-percentile": CalibrationMethod.Percentile}[method]
+            quantize_static(str(src), str(dst), _Reader(feeds), quant_format=QuantFormat.QDQ,
+                            op_types_to_quantize=["MatMul"], per_channel=True,
+                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                            calibrate_method=calibrate, nodes_to_exclude=exclude,
+                            use_external_data_format=True,
+                            extra_options={"ActivationSymmetric": True,
+                                           "MatMulConstBOnly": True})
+            return
+        config: Any
+        if method in ("int8-rtn", "int4-rtn"):
+            config = nbits.DefaultWeightOnlyQuantConfig(
+                block_size=s.block_size, is_symmetric=s.symmetric,
+                accuracy_level=s.accuracy_level, bits=8 if method == "int8-rtn" else 4)
+        elif method == "int4-hqq":
+            config = nbits.HQQWeightOnlyQuantConfig(block_size=s.block_size)
+        elif method == "int4-kquant":
+            config = nbits.KQuantWeightOnlyQuantConfig()
+        else:
+            config = nbits.GPTQWeightOnlyQuantConfig(
+                calibration_data_reader=_Reader(feeds), block_size=s.block_size)
+        quant = nbits.MatMulNBitsQuantizer(
+            onnx.load(str(src)), block_size=s.block_size, is_symmetric=s.symmetric,
+            accuracy_level=s.accuracy_level, nodes_to_exclude=exclude, algo_config=config)
         quant.process()
-    except Exception as exc:
-        raise ExportError(f"{src}: int4 weight-only quantization failed ({exc})") from None
-    quant.model.save_model_to_file(str(dst), use_external_data_format=True)
+        if method != "int4-hqq":
+            quant.model.save_model_to_file(str(dst), use_external_data_format=True)
+            return
+        raw = dst.with_name(dst.stem + ".float-zp.onnx")
+        quant.model.save_model_to_file(str(raw), use_external_data_format=True)
+        zero_points.rewrite(raw, dst, accuracy_level=s.accuracy_level)
+        raw.unlink()
+        Path(str(raw) + ".data").unlink(missing_ok=True)
+    except (InputError, ExportError):
+        raise
+    except Exception as exc:  # the quantizers raise plain exceptions
+        msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ExportError(f"{src}: {method} quantization failed ({msg})") from None
+
+
+_PEAK_MARKER = "SPECEDGE_PEAK_RSS_MIB="
+
+
+def run_isolated(settings: QuantSettings, src: Path, dst: Path, feeds: list[dict[str, Any]],
+                 scratch: Path) -> float | None:
+    """Run `quantize_model` in a child process.
+
+    onnxruntime.quantization creates its own InferenceSessions with per-session thread pools,
+    which ONNX Runtime refuses once a process runs on the shared global pool (the runtime's
+    default thread plan). The child has no such pool. Feeds travel as an .npz file in `scratch`,
+    read with allow_pickle=False. Returns the child's peak RSS in MiB (None if it did not report
+    one).
+
+    Raises:
+        ExportError: the child failed (its last stderr line is in the message).
+    """
+    feeds_file = scratch / "calibration_feeds.npz"
+    np.savez(feeds_file, **{f"{i}|{k}": v for i, feed in enumerate(feeds)
+                            for k, v in feed.items()})
+    args = {"settings": {**asdict(settings), "exclude": list(settings.exclude)},
+            "src": str(src), "dst": str(dst), "feeds": str(feeds_file)}
+    proc = subprocess.run([sys.executable, "-m", "specedge.exporter.quantize", json.dumps(args)],
+                          capture_output=True, text=True, check=False)
+    feeds_file.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        raise ExportError(lines[-1][:400] if lines else f"{src}: {settings.method} failed")
+    peaks = [ln.split("=", 1)[1] for ln in proc.stdout.splitlines()
+             if ln.startswith(_PEAK_MARKER)]
+    return float(peaks[-1]) if peaks else None
+
+
+def _load_feeds(path: Path) -> list[dict[str, Any]]:
+    feeds: dict[int, dict[str, Any]] = {}
+    with np.load(path, allow_pickle=False) as z:
+        for key in z.files:
+            index, name = key.split("|", 1)
+            feeds.setdefault(int(index), {})[name] = z[key]
+    return [feeds[i] for i in sorted(feeds)]
+
+
+def _main(argv: list[str]) -> int:
+    """The child of `run_isolated`: one JSON argument, the peak RSS on stdout."""
+    import resource
+
+    a = json.loads(argv[0])
+    settings = QuantSettings(**{**a["settings"], "exclude": tuple(a["settings"]["exclude"])})
+    try:
+        quantize_model(settings, Path(a["src"]), Path(a["dst"]), _load_feeds(Path(a["feeds"])))
+    except ExportError as exc:
+        print(f"{exc}", file=sys.stderr)
+        return 1
+    print(f"{_PEAK_MARKER}{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

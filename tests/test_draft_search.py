@@ -15,7 +15,7 @@ pytestmark = [
 
 
 def test_draft_search_builds_scores_and_keeps_the_winner(tmp_path: Path) -> None:
-    from specedge.exporter.draft_search import DraftSearchOptions, search
+    from specedge.calibration.draft_search import DraftSearchOptions, search
     from specedge.exporter.tiny import make_tiny_model
     from specedge.runtime.manifest import load_manifest
     from specedge.runtime.pair import GenerationConfig, Pair

@@ -5,16 +5,14 @@ Needs SPECEDGE_REFERENCE_PAIR (built by models/smollm2-135m-reference.sh); skipp
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.prompts import default_prompts
 
 pytestmark = pytest.mark.reference
-PROMPTS = (Path(__file__).resolve().parents[1] / "benchmarks" / "prompts20.txt").read_text(
-    encoding="utf-8").splitlines()
+PROMPTS = default_prompts()
 
 
 def test_export_validation_figures(reference_pair: Pair) -> None:

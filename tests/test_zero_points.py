@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specedge.calibration.zero_points import block_indicator, pack_zero_points, split_zero_points
+from specedge.exporter.zero_points import block_indicator, pack_zero_points, split_zero_points
 
 needs_onnx = pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="needs onnx")
 
@@ -68,7 +68,7 @@ def test_rewrite_matches_the_float_zero_point_model(tmp_path: Path, seed: int) -
     import onnx
     import onnxruntime as ort
 
-    from specedge.calibration.zero_points import rewrite
+    from specedge.exporter.zero_points import rewrite
 
     k, n, block = 96, 40, 32
     weight = _float_zp_model(tmp_path / "f.onnx", k, n, block, seed)
@@ -94,7 +94,7 @@ def test_rewrite_matches_the_float_zero_point_model(tmp_path: Path, seed: int) -
 @needs_onnx
 @pytest.mark.export
 def test_rewrite_leaves_uint8_models_alone(tmp_path: Path) -> None:
-    from specedge.calibration.zero_points import rewrite
+    from specedge.exporter.zero_points import rewrite
 
     _float_zp_model(tmp_path / "f.onnx", 64, 8, 32, 0)
     rewrite(tmp_path / "f.onnx", tmp_path / "u.onnx")

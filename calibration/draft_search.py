@@ -2,7 +2,7 @@
 
 Candidates, each measured on held-out prompts (none assumed):
 - the int4 weight-only self-draft (ORT GenAI builder, RTN, block 32);
-- quantized self-drafts made by `specedge.calibration.quantize` from the target: int8
+- quantized self-drafts made from the target by `specedge.exporter.quantize`: int8
   weight-only (asymmetric, block 32) and int4 HQQ (float zero points rewritten exactly into the
   fast uint8 layout);
 - the int4 and int8 self-drafts with their LM head restricted to the V' most frequent tokens of
@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from specedge.calibration.data import CALIBRATION_PROMPTS
+from specedge.exporter import draft_head
+from specedge.exporter.pair import ExportOptions, export_pair
+from specedge.exporter.quantize import QuantSettings, run_isolated
 from specedge.runtime.errors import InputError
 from specedge.runtime.manifest import (
     Defaults,
@@ -41,13 +43,14 @@ from specedge.runtime.manifest import (
 )
 from specedge.runtime.pair import GenerationConfig, Pair
 
-from . import draft_head
-from .pair import ExportOptions, export_pair
+from .data import CALIBRATION_PROMPTS
 
 # Self-drafts quantized from the target: method -> (label, asymmetric weights)
 SELF_DRAFTS = {"int8-rtn": ("int8 weight-only self-draft", True),
                "int4-hqq": ("int4 HQQ self-draft", True),
                "int4-rtn": ("int4 RTN self-draft (asymmetric)", True)}
+# Target precisions a search can export on a CPU (fp16 graphs are built for GPUs).
+PRECISIONS = ("fp32", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class DraftSearchOptions:
     force: bool = False
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise InputError(f"--precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if not self.eval_prompts:
             raise InputError("draft search needs evaluation prompts (--prompts FILE)")
         if set(self.eval_prompts) & set(self.calibration_prompts):
@@ -116,22 +121,20 @@ def _peak_rss_mib() -> float:
 
 def _self_draft_candidate(base: Path, dst: Path, method: str) -> float | None:
     """A pair whose draft is the target quantized with `method` (in a child process)."""
-    from specedge.calibration.quantize import QuantizeOptions, run_isolated
-
     manifest = load_manifest(base, verify_hashes=False)
     assert manifest.draft is not None
     copy_pair(base, dst)
     shutil.rmtree(dst / "draft")
     (dst / "draft").mkdir()
-    opts = QuantizeOptions(pair=base, output=dst, method=method,
-                           symmetric=not SELF_DRAFTS[method][1])
-    peak = run_isolated(opts, base / manifest.target.path, dst / "draft" / "model.onnx", [], dst)
+    settings = QuantSettings(method, symmetric=not SELF_DRAFTS[method][1])
+    peak = run_isolated(settings, base / manifest.target.path, dst / "draft" / "model.onnx", [],
+                        dst)
     files = {str(p.relative_to(dst)): sha256_file(p) for p in sorted((dst / "draft").iterdir())}
     source = {**manifest.target.source, "quantization": {
-        "method": method, "block_size": opts.block_size, "symmetric": opts.symmetric,
-        "accuracy_level": opts.accuracy_level}}
+        "method": method, "block_size": settings.block_size, "symmetric": settings.symmetric,
+        "accuracy_level": settings.accuracy_level}}
     draft = replace(manifest.target, files=files, path="draft/model.onnx",
-                    precision=method.split("-")[0], source=source,
+                    precision=settings.precision, source=source,
                     validation={"self_draft_of": "target", "method": method})
     write_manifest(replace(manifest, root=dst, draft=draft), dst)
     return peak
@@ -268,3 +271,22 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
         return table
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+HEADERS = ("candidate", "K", "tok/s", "speed-up", "acceptance", "tokens/round", "draft cost",
+           "build s", "build peak MiB")
+
+
+def format_rows(table: dict[str, Any]) -> list[list[str]]:
+    """The candidates of a `search` table as strings, one row per (candidate, K), in the order
+    of `HEADERS`."""
+    out = []
+    for cand in table["candidates"]:
+        ratio = cand["draft_cost_ratio"]
+        peak = cand.get("build_peak_rss_mib")
+        for k, row in cand["rows"].items():
+            out.append([cand["name"], k, f"{row['tokens_per_s']:.1f}", f"{row['speedup']:.2f}x",
+                        f"{row['acceptance']:.2f}", f"{row['tokens_per_round']:.2f}",
+                        f"{ratio:.2f}" if ratio else "–", f"{cand['build_s']:.0f}",
+                        f"{peak:.0f}" if peak else "in process"])
+    return out
