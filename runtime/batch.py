@@ -35,7 +35,7 @@ from .backend import KVCache, OrtModel
 from .drafters import AdaptiveK, new_tuner, ngram_for, take_ngram
 from .errors import InputError
 from .policy import DecodePlan
-from .rounds import RowOutput, RowSampler, fed_prefix, round_k
+from .rounds import RowOutput, RowSampler, draft_budget, fed_prefix
 from .sampling import SamplingParams
 from .stats import GenerationStats
 
@@ -186,12 +186,15 @@ class BatchDecoder:
         """Drafts per live row (n-gram hits, then the draft model for the rest), their draft
         probabilities (random sampling with the model), model seconds and the model-drafted
         rows."""
-        ks = {r.index: round_k(k, r.output, len(r.tokens), self.limit) for r in live}
+        budgets = {r.index: draft_budget(self.plan, k, r.output, len(r.tokens), self.limit)
+                   for r in live}
+        ks = {i: own for i, (own, _) in budgets.items()}
         drafts: dict[int, list[int]] = {r.index: [] for r in live}
         model_rows = []
         for row in live:
-            hit = self.ngram.lookup(row.tokens, ks[row.index]) if self.ngram else []
-            if self.plan.drafter == "ngram" or take_ngram(hit, ks[row.index]):
+            free = budgets[row.index][1]
+            hit = self.ngram.lookup(row.tokens, free) if self.ngram else []
+            if self.plan.drafter == "ngram" or take_ngram(hit, free):
                 drafts[row.index] = hit
             elif ks[row.index]:
                 model_rows.append(row)
@@ -224,6 +227,7 @@ class BatchDecoder:
                           for r, b in zip(fed, blocks, strict=True)])
         verify_s = time.perf_counter() - t1
         outcomes: list[tuple[int, int]] = []
+        tuned: list[tuple[int, int]] = []  # the rows whose k came from the tuner
         for i, row in enumerate(fed):
             if row.reason is not None:
                 continue
@@ -233,6 +237,8 @@ class BatchDecoder:
                                          row.position)
             accepted = len(emitted) - 1
             outcomes.append((n, accepted))
+            if self.plan.drafter != "hybrid" or row.index in model_rows or not n:
+                tuned.append((n, accepted))
             row.tokens.extend(int(t) for t in emitted)
             # The target holds every committed token but the last, which the next round feeds.
             self.t_cache.lengths[row.index] = len(row.tokens) - 1
@@ -266,11 +272,13 @@ class BatchDecoder:
         totals.draft_s += draft_s
         totals.verify_s += verify_s
         totals.decode_s += time.perf_counter() - t_start
-        if self.tuner is not None:
+        if self.tuner is not None and tuned:
             # Cost per drafted position of the round: the model's calls (the first includes the
             # catch-up, which at batch 8 costs much more than a 1-token step), or nothing for
             # n-gram drafts, which are free.
-            self.tuner.update_batch(k_round, outcomes, draft_s, k_round, verify_s)
+            self.tuner.update_batch(k_round, tuned, draft_s, k_round, verify_s)
+        elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
+            self.tuner.record_verify(k_round + 1, verify_s)
         return finished
 
 

@@ -38,17 +38,19 @@ class Proposal:
     calls: int = 0
     step_seconds: float = 0.0  # the cost per drafted position that adaptive k models
     step_calls: int = 0  # drafted positions that cost is spread over
+    free: bool = False  # drafted at no model cost (n-gram lookup)
 
 
 class Drafter(Protocol):
     """What the speculative loop needs from a drafter.
 
-    `position` is the output position of the first proposed token (for position-keyed
-    sampling, see `rounds.RowSampler`).
+    `k` bounds drafts that cost model steps, `k_free` drafts that cost nothing to make (n-gram
+    hits; only verifying them costs). `position` is the output position of the first proposed
+    token (for position-keyed sampling, see `rounds.RowSampler`).
     """
 
-    def propose(self, tokens: list[int], k: int, sampler: RowSampler,
-                position: int) -> Proposal: ...
+    def propose(self, tokens: list[int], k: int, sampler: RowSampler, position: int,
+                k_free: int) -> Proposal: ...
 
     def commit(self, tokens: list[int]) -> None: ...
 
@@ -67,8 +69,8 @@ class ModelDrafter:
         self.fed: list[int] = []  # the tokens whose keys/values are in the cache
         self.stable = 0  # fed[:stable] equals the committed tokens
 
-    def propose(self, tokens: list[int], k: int, sampler: RowSampler,
-                position: int) -> Proposal:
+    def propose(self, tokens: list[int], k: int, sampler: RowSampler, position: int,
+                k_free: int = 0) -> Proposal:
         if k <= 0:
             return Proposal(np.zeros(0, np.int64), None)
         pending = tokens[len(self.fed):]
@@ -134,11 +136,11 @@ class NgramDrafter:
                 return out
         return []
 
-    def propose(self, tokens: list[int], k: int, sampler: RowSampler,
-                position: int) -> Proposal:
-        found = self.lookup(tokens, k)
+    def propose(self, tokens: list[int], k: int, sampler: RowSampler, position: int,
+                k_free: int = 0) -> Proposal:
+        found = self.lookup(tokens, max(k, k_free))
         # Free drafts: zero cost per drafted position, so adaptive k sees what they are worth.
-        return Proposal(np.asarray(found, np.int64), None, step_calls=len(found))
+        return Proposal(np.asarray(found, np.int64), None, step_calls=len(found), free=True)
 
     def commit(self, tokens: list[int]) -> None:
         return None
@@ -162,10 +164,10 @@ class HybridDrafter:
                  min_hit: int = MIN_NGRAM_HIT) -> None:
         self.model, self.ngram, self.min_hit = model, ngram, min_hit
 
-    def propose(self, tokens: list[int], k: int, sampler: RowSampler,
-                position: int) -> Proposal:
-        hit = self.ngram.propose(tokens, k, sampler, position)
-        if take_ngram(list(hit.tokens), k, self.min_hit):
+    def propose(self, tokens: list[int], k: int, sampler: RowSampler, position: int,
+                k_free: int = 0) -> Proposal:
+        hit = self.ngram.propose(tokens, 0, sampler, position, k_free)
+        if take_ngram(list(hit.tokens), k_free, self.min_hit):
             return hit
         return self.model.propose(tokens, k, sampler, position)
 
@@ -216,6 +218,11 @@ class AdaptiveK:
                verify_s: float) -> None:
         """Record one round: k proposed, `accepted` of them accepted, and its costs."""
         self.update_batch(k, [(k, accepted)], draft_step_s, draft_step_calls, verify_s)
+
+    def record_verify(self, size: int, verify_s: float) -> None:
+        """Record only the cost of verifying `size` positions (a round whose k this tuner did
+        not choose, e.g. a free n-gram hit next to model drafting)."""
+        self.verify[size] = self._ema(self.verify.get(size), verify_s)
 
     def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
                      draft_step_calls: int, verify_s: float) -> None:

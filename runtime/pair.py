@@ -278,8 +278,9 @@ class Pair:
         finally:
             gen.close()
             stats.total_s = time.perf_counter() - start
+        reason = output.finish()  # flushes the detokenizer: before reading the text
         return GenerationResult(text=output.text, tokens=list(output.tokens), prompt_tokens=ids,
-                                stop_reason=output.finish(), stats=stats)
+                                stop_reason=reason, stats=stats)
 
     def generate(self, prompt: Prompt, config: GenerationConfig | None = None) -> GenerationResult:
         """Generate a completion for a prompt (str) or chat messages (list of dicts)."""
@@ -351,8 +352,9 @@ class Pair:
         results = []
         for row, ids in zip(rows, ids_list, strict=True):
             row.stats.total_s = time.perf_counter() - start
+            reason = row.output.finish()  # flushes the detokenizer: before reading the text
             results.append(GenerationResult(text=row.output.text, tokens=list(row.generated),
-                                            prompt_tokens=ids, stop_reason=row.output.finish(),
+                                            prompt_tokens=ids, stop_reason=reason,
                                             stats=row.stats))
         return BatchResult(results=results, stats=totals)
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .policy import DecodePlan
 from .sampling import SamplingParams, accept_greedy, accept_sample, sample_token, warp_probs
 from .text import IncrementalDetokenizer, StopStrings, Tokenizer
 
@@ -218,3 +219,23 @@ def round_k(k: int, output: RowOutput, n_tokens: int, limit: int) -> int:
     must fit the row's remaining budget and the context limit."""
     budget = output.max_new_tokens - len(output.tokens)
     return max(0, min(k, budget - 1, limit - n_tokens - 1))
+
+
+def draft_budget(plan: DecodePlan, k: int, output: RowOutput, n_tokens: int,
+                 limit: int) -> tuple[int, int]:
+    """(k for model drafts, k for free n-gram drafts) of a round, given the tuner's k.
+
+    Hybrid drafting lets n-gram hits run to the plan's full K whatever the tuner chose for the
+    draft model: they cost no draft steps, so the tuner's cost model does not apply to them
+    (capping them at the model's best k lost most of what they gain)."""
+    if plan.drafter == "none":
+        return 0, 0
+    own = round_k(k, output, n_tokens, limit)
+    free = round_k(plan.k, output, n_tokens, limit) if plan.drafter == "hybrid" else own
+    return own, free
+
+
+def tuned_round(plan: DecodePlan, proposal: object | None) -> bool:
+    """Whether a round's k came from the tuner (so it should learn from the round): not a
+    hybrid round whose drafts were a free n-gram hit."""
+    return not (plan.drafter == "hybrid" and getattr(proposal, "free", False))

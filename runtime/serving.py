@@ -108,9 +108,10 @@ class ContinuousBatch:
         for row in self.decoder.step():
             p, _ = self.running.pop(row.index)
             self.decoder.release(row)
+            reason = row.output.finish()  # flushes the detokenizer: before reading the text
             done.append((p.request_id, GenerationResult(
                 text=row.output.text, tokens=list(row.generated), prompt_tokens=p.request.prompt,
-                stop_reason=row.output.finish(), stats=row.stats)))
+                stop_reason=reason, stats=row.stats)))
         return done
 
     def run(self) -> dict[int, GenerationResult]:

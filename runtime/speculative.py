@@ -16,7 +16,7 @@ import numpy as np
 from .backend import KVCache, OrtModel
 from .drafters import Drafter, new_tuner
 from .policy import DecodePlan
-from .rounds import RowOutput, RowSampler, round_k
+from .rounds import RowOutput, RowSampler, draft_budget, tuned_round
 from .stats import GenerationStats
 
 
@@ -51,9 +51,10 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
                 output.stop_at("context")
                 break
             position = len(tokens) - len(prompt)  # output position of the round's first token
-            k = round_k(adaptive.k if adaptive else plan.k if drafter else 0, output,
-                        len(tokens), limit)
-            proposal = drafter.propose(tokens, k, sampler, position) if drafter and k else None
+            k, k_free = draft_budget(plan, adaptive.k if adaptive else plan.k, output,
+                                     len(tokens), limit)
+            proposal = (drafter.propose(tokens, k, sampler, position, k_free)
+                        if drafter and (k or k_free) else None)
             drafts = proposal.tokens if proposal is not None else np.zeros(0, np.int64)
             t1 = time.perf_counter()
             block = np.concatenate([[tokens[-1]], drafts]).astype(np.int64)[None]  # [1, n+1]
@@ -71,10 +72,12 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
             stats.record_round(len(drafts), accepted, verify_s=verify_s,
                                draft_s=proposal.seconds if proposal else 0.0,
                                draft_calls=proposal.calls if proposal else 0)
-            if adaptive is not None:
+            if adaptive is not None and tuned_round(plan, proposal):
                 adaptive.update(len(drafts), accepted,
                                 proposal.step_seconds if proposal else 0.0,
                                 proposal.step_calls if proposal else 0, verify_s)
+            elif adaptive is not None:
+                adaptive.record_verify(len(drafts) + 1, verify_s)
             kept = output.push(emitted)
             stats.new_tokens = len(output.tokens)
             yield kept
