@@ -1,0 +1,373 @@
+"""The OpenAI API as data: request bodies into `GenerationConfig`, results into responses.
+
+Follows the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat and
+/completions) the way the `openai` Python client uses it: `POST /v1/chat/completions` and
+`POST /v1/completions`, server-sent event chunks ending in `data: [DONE]`, `usage` (with
+specedge's acceptance rate and tokens per round as the extra field `usage.specedge`) and the
+error body `{"error": {"message", "type", "param", "code"}}`.
+
+Pure functions and frozen dataclasses only: no HTTP, no decoding. Fields that would change what
+a client gets back (`n` > 1, `logprobs`, `tools`, `response_format`, penalties, ...) are refused
+with a 400 naming the field; unknown fields that change nothing are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InputError
+from .pair import GenerationConfig, GenerationResult, Prompt
+from .policy import DRAFTER_CHOICES
+from .sampling import SamplingParams
+
+__all__ = ["APIError", "ParsedRequest", "RequestDefaults", "ResponseShape", "error_body",
+           "finish_reason", "parse_request", "sse", "usage"]
+
+SSE_DONE = b"data: [DONE]\n\n"
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOPS = 16
+_FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's format (never a traceback or a path)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, kind=self.kind, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What the server allows and assumes for fields a request leaves out.
+
+    Attributes:
+        model: the served model id (requests must name it).
+        max_tokens_limit: the largest `max_tokens` a request may ask for; also the default.
+        drafter, num_draft_tokens, adaptive: the server's decoding plan (None: the pair's).
+        per_request_plan: False when the plan is shared by the running batch (concat pairs):
+            a request may then only repeat the server's drafter and K.
+    """
+
+    model: str
+    max_tokens_limit: int = 512
+    drafter: str | None = None
+    num_draft_tokens: int | None = None
+    adaptive: bool | None = None
+    per_request_plan: bool = True
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated completion request.
+
+    Attributes:
+        kind: "chat" (messages through the chat template) or "text" (a plain prompt).
+        prompt: the prompt text, or the messages as `{"role", "content"}` dicts.
+        config: what to generate; `max_new_tokens` is the request's or the server's limit.
+        max_tokens_given: whether the request set `max_tokens` itself.
+        stream, include_usage: server-sent events, and a final usage chunk.
+    """
+
+    kind: str
+    prompt: Prompt
+    config: GenerationConfig
+    max_tokens_given: bool
+    stream: bool
+    include_usage: bool
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _bad(param: str, message: str, code: str | None = None) -> APIError:
+    return APIError(400, f"'{param}': {message}", param=param, code=code)
+
+
+def _int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(name, f"expected an integer in [{lo}, {hi}], got {_short(value)}")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, lo: float, hi: float, *,
+            open_lo: bool = False, open_hi: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if ok:
+        ok = (lo < value if open_lo else lo <= value) and (value < hi if open_hi else value <= hi)
+    if not ok:
+        span = f"{'(' if open_lo else '['}{lo}, {hi}{')' if open_hi else ']'}"
+        raise _bad(name, f"expected a number in {span}, got {_short(value)}")
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(name, f"expected true or false, got {_short(value)}")
+    return value
+
+
+# Fields that would change what the client gets back, and the values that change nothing.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None,),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "logit_bias": (None, {}), "echo": (None, False),
+    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "audio": (None,), "prediction": (None,),
+    "modalities": (None, ["text"]),
+}
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    for name, harmless in _UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == h and type(value) is type(h) for h in harmless):
+            raise _bad(name, f"{_short(value)} is not supported by this server",
+                       code="unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _bad("response_format", "only {'type': 'text'} is supported",
+                   code="unsupported_parameter")
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise _bad(where, "only text content parts ({'type': 'text', 'text': ...}) are "
+                                  "supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(where, f"expected a string or a list of text parts, got {_short(value)}")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages", "expected a non-empty list of messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _bad(where, f"expected an object, got {_short(message)}")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise _bad(f"{where}.role", f"expected one of {', '.join(ROLES)}, got "
+                                        f"{_short(role)}")
+        if message.get("tool_calls") or message.get("function_call"):
+            raise _bad(f"{where}.tool_calls", "tool calls are not supported",
+                       code="unsupported_parameter")
+        out.append({"role": ROLES[role],
+                    "content": _content(message.get("content"), f"{where}.content")})
+    return out
+
+
+def _prompt(value: Any) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, str):
+        raise _bad("prompt", "expected one prompt string (lists of prompts and token ids are "
+                             "not supported)")
+    if not value:
+        raise _bad("prompt", "the prompt is empty")
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or \
+            not all(isinstance(s, str) and s for s in stops):
+        raise _bad("stop", f"expected a non-empty string or a list of up to {MAX_STOPS} "
+                           "non-empty strings")
+    return tuple(stops)
+
+
+def _seed(body: Mapping[str, Any]) -> int | None:
+    seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    return None if seed is None else seed % 2**64  # OpenAI seeds are signed 64-bit
+
+
+def _sampling(body: Mapping[str, Any]) -> SamplingParams:
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_k = _int(body, "top_k", 0, 1_000_000)
+    top_p = _number(body, "top_p", 0.0, 1.0, open_lo=True)
+    min_p = _number(body, "min_p", 0.0, 1.0, open_hi=True)
+    # OpenAI's default temperature is 1 (sampling); 0 is greedy.
+    return SamplingParams(temperature=1.0 if temperature is None else temperature,
+                          top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
+                          min_p=min_p or 0.0, seed=_seed(body))
+
+
+def _plan_fields(body: Mapping[str, Any], defaults: RequestDefaults
+                 ) -> tuple[str | None, int | None, bool | None]:
+    drafter = body.get("drafter")
+    if drafter is not None and drafter not in DRAFTER_CHOICES:
+        raise _bad("drafter", f"expected one of {', '.join(DRAFTER_CHOICES)}, got "
+                              f"{_short(drafter)}")
+    k = _int(body, "num_draft_tokens", 1, 64)
+    if defaults.per_request_plan:
+        return (drafter or defaults.drafter, k or defaults.num_draft_tokens, defaults.adaptive)
+    for name, value, server in (("drafter", drafter, defaults.drafter),
+                                ("num_draft_tokens", k, defaults.num_draft_tokens)):
+        if value is not None and value != server:
+            raise _bad(name, "the running batch shares one drafter and K; this server uses "
+                             f"{name}={server!r} (set at `specedge serve` start)")
+    return defaults.drafter, defaults.num_draft_tokens, defaults.adaptive
+
+
+def _max_tokens(body: Mapping[str, Any], defaults: RequestDefaults) -> int | None:
+    limit = defaults.max_tokens_limit
+    given = [_int(body, name, -(2**63), 2**63) for name in ("max_completion_tokens",
+                                                            "max_tokens")]
+    value = next((v for v in given if v is not None), None)
+    if value is not None and not 1 <= value <= limit:
+        name = "max_completion_tokens" if given[0] is not None else "max_tokens"
+        raise _bad(name, f"expected an integer in [1, {limit}] (this server's "
+                         f"--max-tokens-limit), got {value}")
+    return value
+
+
+def _check_model(body: Mapping[str, Any], defaults: RequestDefaults) -> None:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("model", f"expected the model id {defaults.model!r}")
+    if model != defaults.model:
+        raise APIError(404, f"The model {_short(model)} does not exist; this server serves "
+                            f"{defaults.model!r} (GET /v1/models).", param="model",
+                       code="model_not_found")
+
+
+def _stream_fields(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise _bad("stream_options", f"expected an object, got {_short(options)}")
+    if not stream:
+        raise _bad("stream_options", "only allowed with stream: true")
+    return stream, _bool(options, "include_usage")
+
+
+def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequest:
+    """Validate a chat ("chat") or completions ("text") request body.
+
+    Raises:
+        APIError: 400 naming the offending field; 404 for a model this server does not serve.
+    """
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    _check_model(body, defaults)
+    _refuse_unsupported(body)
+    prompt: Prompt = _messages(body.get("messages")) if kind == "chat" else \
+        _prompt(body.get("prompt"))
+    stream, include_usage = _stream_fields(body)
+    max_tokens = _max_tokens(body, defaults)
+    drafter, k, adaptive = _plan_fields(body, defaults)
+    try:
+        config = GenerationConfig(max_new_tokens=max_tokens or defaults.max_tokens_limit,
+                                  sampling=_sampling(body), num_draft_tokens=k,
+                                  drafter=drafter, adaptive=adaptive, stop=_stop(body.get("stop")))
+    except InputError as exc:  # ranges the helpers above leave to the runtime's own checks
+        raise APIError(400, str(exc)) from None
+    return ParsedRequest(kind, prompt, config, max_tokens is not None, stream, include_usage)
+
+
+def finish_reason(stop_reason: str) -> str:
+    """OpenAI's finish_reason for a specedge stop reason."""
+    return _FINISH.get(stop_reason, "stop")
+
+
+def usage(result: GenerationResult) -> dict[str, Any]:
+    """Token counts, plus specedge's speculation statistics under "specedge"."""
+    stats = result.stats
+    prompt, completion = len(result.prompt_tokens), len(result.tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "specedge": {"acceptance_rate": round(stats.acceptance_rate, 4),
+                         "tokens_per_round": round(stats.mean_accepted_length, 4),
+                         "proposed": stats.proposed, "accepted": stats.accepted,
+                         "rounds": stats.rounds}}
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """The id, kind and model of one response, and its bodies and chunks."""
+
+    kind: str  # "chat" | "text"
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, kind: str, model: str) -> ResponseShape:
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        return cls(kind, prefix + uuid.uuid4().hex, int(time.time()), model)
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.kind == "chat" \
+            else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, text: str | None, finish: str | None, chunk: bool) -> dict[str, Any]:
+        if self.kind == "text":
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if not chunk:
+            return {"index": 0, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": finish}
+        delta: dict[str, Any] = {} if text is None else {"content": text}
+        if text == "":  # the opening chunk
+            delta = {"role": "assistant", "content": ""}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def body(self, result: GenerationResult) -> dict[str, Any]:
+        """The whole (non-streaming) response."""
+        choice = self._choice(result.text, finish_reason(result.stop_reason), chunk=False)
+        return {**self._head(False), "choices": [choice], "usage": usage(result)}
+
+    def chunk(self, text: str | None, finish: str | None = None) -> bytes:
+        """One SSE event: a text delta ("" opens a chat stream; None with a finish_reason)."""
+        return sse({**self._head(True), "choices": [self._choice(text, finish, chunk=True)]})
+
+    def usage_chunk(self, result: GenerationResult) -> bytes:
+        """The final SSE event of `stream_options.include_usage`: no choices, the usage."""
+        return sse({**self._head(True), "choices": [], "usage": usage(result)})
+
+
+def sse(obj: Mapping[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"

@@ -1,0 +1,523 @@
+"""The decoding worker behind `specedge serve`: one thread owns every decoding call.
+
+The HTTP layer submits jobs and reads their events; it never decodes. One worker thread runs:
+
+- for concat-form pairs, a `serving.ContinuousBatch`: jobs join the running batch between rounds
+  (up to `max_batch` rows, one target call per round for all of them) and leave on completion,
+  stop, cancellation or deadline, which frees their slot before the next round;
+- for gqa-shared pairs (batch 1 only, see README "Graph forms"), a FIFO of batch-1
+  `Pair.stream` generations, one at a time.
+
+Admission is bounded: at most `max_batch + max_queue` jobs are queued or running; one more is
+refused with `QueueFull` (the server answers 429 with its `retry_after`). Cancellation is a flag
+the worker reads before every round, so a cancelled job runs at most the round in flight.
+Each job's events (`Delta`, `Finished`, `Failed`) go to its `sink`, called on the worker thread.
+
+`Metrics` holds the counters and histograms `/metrics` renders in the Prometheus text format
+(https://prometheus.io/docs/instrumenting/exposition_formats/).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .errors import InputError, SpecEdgeError
+from .pair import GenerationConfig, GenerationResult, Pair, Prompt
+from .rounds import RowOutput
+from .serving import ContinuousBatch
+
+log = logging.getLogger("specedge.serve")
+
+__all__ = ["Delta", "Failed", "Finished", "Job", "Metrics", "QueueFull", "Scheduler",
+           "SchedulerOptions"]
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """How the worker schedules.
+
+    Attributes:
+        max_batch: rows decoding together (concat pairs; gqa-shared pairs run one at a time).
+        max_queue: jobs waiting beyond the running ones before `submit` refuses.
+        request_timeout_s: a job still unfinished this long after submission is ended.
+        max_context: prompt + generated tokens per job (also sizes the batch's KV cache).
+        drafter, num_draft_tokens, adaptive: the decoding plan (None: the pair's defaults).
+    """
+
+    max_batch: int = 4
+    max_queue: int = 16
+    request_timeout_s: float = 300.0
+    max_context: int = 2048
+    drafter: str | None = None
+    num_draft_tokens: int | None = None
+    adaptive: bool | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    result: GenerationResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    reason: str  # "cancelled" | "timeout" | "input" | "internal" | "shutdown"
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+class QueueFull(Exception):
+    """The queue is full; try again in `retry_after` seconds."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Job:
+    """One generation request, as the worker sees it."""
+
+    def __init__(self, prompt: Prompt, config: GenerationConfig,
+                 sink: Callable[[Event], None], deadline_s: float) -> None:
+        self.prompt, self.config, self.sink = prompt, config, sink
+        self.submitted = time.monotonic()
+        self.deadline = self.submitted + deadline_s
+        self.cancelled = False  # set by any thread, read by the worker before each round
+        self.done = False
+        self.first_text_at: float | None = None
+        self.rounds = 0  # rounds run while holding a slot
+        self.cancel_round: int | None = None  # `rounds` when the cancel was asked
+        self.rounds_after_cancel: int | None = None  # rounds run between cancel and release
+        self.request_id = -1  # ContinuousBatch id
+        self.output: RowOutput | None = None
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event, Delta) and self.first_text_at is None:
+            self.first_text_at = time.monotonic()
+        try:
+            self.sink(event)
+        except Exception:  # a sink whose client went away must not stop the worker
+            log.debug("dropped an event for a closed request", exc_info=True)
+
+
+# ------------------------------------------------------------------------------- metrics
+
+_HELP = {
+    "specedge_requests_total": ("counter", "HTTP requests by route and status code."),
+    "specedge_generations_total": ("counter", "Finished generations by finish reason."),
+    "specedge_rejected_total": ("counter", "Requests refused because the queue was full."),
+    "specedge_prompt_tokens_total": ("counter", "Prompt tokens of finished generations."),
+    "specedge_completion_tokens_total": ("counter", "Generated tokens."),
+    "specedge_draft_tokens_proposed_total": ("counter", "Draft tokens proposed."),
+    "specedge_draft_tokens_accepted_total": ("counter", "Draft tokens accepted."),
+    "specedge_rounds_total": ("counter", "Speculative rounds, summed over requests."),
+    "specedge_acceptance_rate": ("gauge", "Accepted / proposed draft tokens, all requests."),
+    "specedge_tokens_per_round": ("gauge", "Generated tokens per round, all requests."),
+    "specedge_queue_depth": ("gauge", "Requests waiting for a slot."),
+    "specedge_running": ("gauge", "Requests decoding now."),
+    "specedge_time_to_first_token_seconds": ("histogram",
+                                             "Submission to the first text sent."),
+    "specedge_time_per_output_token_seconds": ("histogram",
+                                               "Mean time per token after the first, per "
+                                               "request."),
+    "specedge_request_duration_seconds": ("histogram", "Submission to the end of a request."),
+}
+_BUCKETS = {
+    "specedge_time_to_first_token_seconds": (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                                             30, 60),
+    "specedge_time_per_output_token_seconds": (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08,
+                                               0.16, 0.32, 0.64, 1.28),
+    "specedge_request_duration_seconds": (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
+                                          300),
+}
+Labels = tuple[tuple[str, str], ...]
+
+
+def _labels(labels: Labels, extra: str = "") -> str:
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    parts = [f'{k}="{esc(v)}"' for k, v in labels] + ([extra] if extra else [])
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _num(value: float) -> str:
+    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+
+
+class Metrics:
+    """Thread-safe counters and histograms, rendered in the Prometheus text format."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[tuple[str, Labels], float] = {}
+        self._hist: dict[str, tuple[list[int], list[float]]] = {
+            name: ([0] * (len(b) + 1), [0.0]) for name, b in _BUCKETS.items()}
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._counters[key] = self._counters.get(key, 0.0) + value
+
+    def observe(self, name: str, value: float) -> None:
+        counts, total = self._hist[name]
+        with self._lock:
+            counts[next((i for i, b in enumerate(_BUCKETS[name]) if value <= b),
+                        len(_BUCKETS[name]))] += 1
+            total[0] += value
+
+    def value(self, name: str, **labels: str) -> float:
+        with self._lock:
+            return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def render(self, gauges: dict[str, float]) -> str:
+        """The exposition text; `gauges` are read by the caller at scrape time."""
+        with self._lock:
+            counters = dict(self._counters)
+            hist = {n: (list(c), t[0]) for n, (c, t) in self._hist.items()}
+        proposed = counters.get(("specedge_draft_tokens_proposed_total", ()), 0.0)
+        rounds = counters.get(("specedge_rounds_total", ()), 0.0)
+        gauges = {**gauges, "specedge_acceptance_rate": counters.get(
+            ("specedge_draft_tokens_accepted_total", ()), 0.0) / proposed if proposed else 0.0,
+            "specedge_tokens_per_round": counters.get(
+                ("specedge_completion_tokens_total", ()), 0.0) / rounds if rounds else 0.0}
+        lines = []
+        for name, (kind, help_text) in _HELP.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            if kind == "gauge":
+                lines.append(f"{name} {_num(gauges.get(name, 0.0))}")
+            elif kind == "counter":
+                samples = [(lb, v) for (n, lb), v in counters.items() if n == name] or [((), 0)]
+                lines += [f"{name}{_labels(lb)} {_num(v)}" for lb, v in sorted(samples)]
+            else:
+                lines += _histogram_lines(name, *hist[name])
+        return "\n".join(lines) + "\n"
+
+
+def _histogram_lines(name: str, counts: list[int], total: float) -> list[str]:
+    lines, running = [], 0
+    for bound, count in zip((*_BUCKETS[name], math.inf), counts, strict=True):
+        running += count
+        le = "+Inf" if bound == math.inf else _num(bound)
+        lines.append(f'{name}_bucket{{le="{le}"}} {running}')
+    return lines + [f"{name}_sum {_num(total)}", f"{name}_count {running}"]
+
+
+# ------------------------------------------------------------------------------- engines
+
+Outcomes = list[tuple[Job, "Finished | Failed"]]
+
+
+def _failure(exc: Exception) -> Failed:
+    """A decoding error as the client sees it: input errors say why, others say nothing."""
+    if isinstance(exc, InputError):
+        return Failed("input", str(exc))
+    return Failed("internal", "decoding failed")
+
+
+def _log_failure(exc: Exception) -> None:
+    if isinstance(exc, InputError):
+        log.info("request refused by the runtime: %s", exc)
+    elif isinstance(exc, SpecEdgeError):
+        log.error("decoding failed: %s", exc)
+    else:
+        log.error("decoding failed", exc_info=exc)
+
+
+class _BatchEngine:
+    """Jobs as rows of one `ContinuousBatch` (concat-form pairs)."""
+
+    def __init__(self, pair: Pair, options: SchedulerOptions) -> None:
+        self.pair, self.options = pair, options
+        self.batch = self._new_batch()
+        self.jobs: dict[int, Job] = {}
+
+    def _new_batch(self) -> ContinuousBatch:
+        o = self.options
+        return ContinuousBatch(self.pair, capacity=o.max_batch, max_len=o.max_context,
+                               drafter=o.drafter, num_draft_tokens=o.num_draft_tokens,
+                               adaptive=o.adaptive)
+
+    @property
+    def running(self) -> int:
+        return len(self.batch.running)
+
+    def admit(self, job: Job) -> None:
+        job.request_id = self.batch.submit(job.prompt, job.config)
+        job.output = self.batch.output(job.request_id)
+        self.jobs[job.request_id] = job
+
+    def drop(self, job: Job) -> None:
+        self.batch.cancel(job.request_id)
+        self.jobs.pop(job.request_id, None)
+
+    def round(self) -> Outcomes:
+        """One round of the batch; a failure fails every job (the batch is rebuilt)."""
+        try:
+            finished = self.batch.step()
+        except Exception as exc:
+            _log_failure(exc)
+            return [(job, _failure(exc)) for job in self.fail_all()]
+        holding = {p.request_id for p, _ in self.batch.running.values()}
+        holding.update(rid for rid, _ in finished)
+        for rid in holding:
+            job = self.jobs[rid]
+            job.rounds += 1
+            assert job.output is not None
+            if text := job.output.delta():
+                job.emit(Delta(text))
+        return [(self.jobs.pop(rid), Finished(result)) for rid, result in finished]
+
+    def fail_all(self) -> list[Job]:
+        jobs = list(self.jobs.values())
+        self.jobs.clear()
+        self.batch = self._new_batch()  # a failed round leaves no state worth keeping
+        return jobs
+
+
+class _SerialEngine:
+    """Jobs as batch-1 `Pair.stream` generations, first in first out (gqa-shared pairs)."""
+
+    def __init__(self, pair: Pair) -> None:
+        self.pair = pair
+        self.fifo: deque[Job] = deque()
+        self.current: Job | None = None
+        self.stream: Any = None
+
+    @property
+    def jobs(self) -> dict[int, Job]:
+        every = ([self.current] if self.current else []) + list(self.fifo)
+        return {id(j): j for j in every}
+
+    @property
+    def running(self) -> int:
+        return 1 if self.current else 0
+
+    def admit(self, job: Job) -> None:
+        self.fifo.append(job)
+
+    def drop(self, job: Job) -> None:
+        if job is self.current:
+            self.stream.close()  # ends the decode loop and frees its caches now
+            self.current = self.stream = None
+        elif job in self.fifo:
+            self.fifo.remove(job)
+
+    def round(self) -> Outcomes:
+        """Run until the current job's next text delta (one round, or a few when stop-string
+        prefixes hold text back); a failure fails the current job only."""
+        if self.current is None:
+            self.current = self.fifo.popleft()
+            self.stream = self.pair.stream(self.current.prompt, self.current.config)
+        job = self.current
+        try:
+            text = next(self.stream)
+        except StopIteration as stop:
+            self.current = self.stream = None
+            return [(job, Finished(stop.value))]
+        except Exception as exc:
+            self.current = self.stream = None
+            _log_failure(exc)
+            return [(job, _failure(exc))]
+        job.rounds += 1
+        job.emit(Delta(text))
+        return []
+
+    def fail_all(self) -> list[Job]:
+        jobs = list(self.jobs.values())
+        if self.stream is not None:
+            self.stream.close()
+        self.current = self.stream = None
+        self.fifo.clear()
+        return jobs
+
+
+# ------------------------------------------------------------------------------- scheduler
+
+
+class Scheduler:
+    """The worker thread and its bounded admission.
+
+    Args:
+        pair: a loaded pair (its sessions are used by the worker thread only).
+        options: limits and the decoding plan.
+        metrics: where finished jobs are counted (a new `Metrics` by default).
+    """
+
+    def __init__(self, pair: Pair, options: SchedulerOptions | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.pair, self.options = pair, options or SchedulerOptions()
+        self.metrics = metrics or Metrics()
+        self.batched = pair.manifest.target.graph == "concat"
+        self.engine: _BatchEngine | _SerialEngine = (
+            _BatchEngine(pair, self.options) if self.batched else _SerialEngine(pair))
+        self.slots = self.options.max_batch if self.batched else 1
+        self._cond = threading.Condition()
+        self._inbox: deque[Job] = deque()
+        self._active = 0  # submitted and not ended
+        self._running = 0  # published by the worker
+        self._mean_s = 1.0  # running mean of request durations, for Retry-After
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------- called from any thread
+
+    def start(self) -> None:
+        """Start the worker (idempotent)."""
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="specedge-decoder",
+                                                daemon=True)
+                self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is None or self._thread.is_alive()
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def queued(self) -> int:
+        return max(0, self._active - self._running)
+
+    def context(self, config: GenerationConfig) -> int:
+        """The context (prompt + generated tokens) a job with `config` gets."""
+        plan = self.pair.plan(self._plan_config(config))
+        return min(plan.limit, self.options.max_context)
+
+    def _plan_config(self, config: GenerationConfig) -> GenerationConfig:
+        if not self.batched:
+            return config
+        o = self.options
+        return replace(config, drafter=o.drafter, num_draft_tokens=o.num_draft_tokens,
+                       adaptive=o.adaptive)
+
+    def submit(self, prompt: Prompt, config: GenerationConfig,
+               sink: Callable[[Event], None]) -> Job:
+        """Queue a job; its events go to `sink` (called on the worker thread).
+
+        Raises:
+            QueueFull: `max_batch + max_queue` jobs are already queued or running.
+        """
+        job = Job(prompt, config, sink, self.options.request_timeout_s)
+        with self._cond:
+            if self._closing:
+                raise QueueFull(5)
+            if self._active >= self.slots + self.options.max_queue:
+                self.metrics.inc("specedge_rejected_total")
+                waves = (self._active - self.slots) // self.slots + 1
+                raise QueueFull(max(1, min(60, math.ceil(self._mean_s * waves))))
+            self._active += 1
+            self._inbox.append(job)
+            self._cond.notify()
+        self.start()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Ask the worker to end `job` (before its next round); no-op once it has ended."""
+        if job.done or job.cancelled:
+            return
+        job.cancel_round = job.rounds
+        job.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the worker after the round in flight; unfinished jobs fail with "shutdown"."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -------------------------------------------------------------- the worker thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self.engine.jobs or self._closing):
+                    self._cond.wait()
+                new = list(self._inbox)
+                self._inbox.clear()
+                closing = self._closing
+            if closing:
+                for job in new + list(self.engine.fail_all()):
+                    self._end(job, Failed("shutdown", "the server is shutting down"))
+                return
+            for job in new:
+                self._admit(job)
+            self._expire()
+            if self.engine.jobs:
+                self._round()
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled:
+            self._end(job, Failed("cancelled", "cancelled"))
+            return
+        try:
+            self.engine.admit(job)
+        except Exception as exc:
+            _log_failure(exc)
+            self._end(job, _failure(exc))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for job in list(self.engine.jobs.values()):
+            if job.cancelled or now > job.deadline:
+                self.engine.drop(job)
+                if job.cancel_round is not None:
+                    job.rounds_after_cancel = job.rounds - job.cancel_round
+                self._end(job, Failed("cancelled", "cancelled") if job.cancelled else
+                          Failed("timeout", "the request ran past the server's limit of "
+                                            f"{self.options.request_timeout_s:g} s"))
+
+    def _round(self) -> None:
+        for job, event in self.engine.round():
+            self._end(job, event)
+        self._running = self.engine.running
+
+    def _end(self, job: Job, event: Failed | Finished) -> None:
+        if job.done:
+            return
+        job.done = True
+        job.emit(event)
+        with self._cond:
+            self._active -= 1
+        elapsed = time.monotonic() - job.submitted
+        self._mean_s = 0.8 * self._mean_s + 0.2 * elapsed
+        self._count(job, event, elapsed)
+
+    def _count(self, job: Job, event: Failed | Finished, elapsed: float) -> None:
+        m = self.metrics
+        m.observe("specedge_request_duration_seconds", elapsed)
+        if isinstance(event, Failed):
+            m.inc("specedge_generations_total", reason=event.reason)
+            return
+        result = event.result
+        stats = result.stats
+        m.inc("specedge_generations_total", reason=result.stop_reason)
+        m.inc("specedge_prompt_tokens_total", len(result.prompt_tokens))
+        m.inc("specedge_completion_tokens_total", len(result.tokens))
+        m.inc("specedge_draft_tokens_proposed_total", stats.proposed)
+        m.inc("specedge_draft_tokens_accepted_total", stats.accepted)
+        m.inc("specedge_rounds_total", stats.rounds)
+        if job.first_text_at is not None:
+            m.observe("specedge_time_to_first_token_seconds", job.first_text_at - job.submitted)
+            if len(result.tokens) > 1:
+                m.observe("specedge_time_per_output_token_seconds",
+                          (time.monotonic() - job.first_text_at) / (len(result.tokens) - 1))

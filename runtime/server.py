@@ -1,0 +1,454 @@
+"""`specedge serve` as an ASGI app: the OpenAI API over a continuously batched speculative worker.
+
+    app = create_app(Pair.load("pairs/smollm2-135m"), ServerOptions(api_key="..."))
+    uvicorn.run(app, host="127.0.0.1", port=8000)   # or mount it in another Starlette app
+
+Built on Starlette (https://www.starlette.io); requests are translated by `openai_api` and
+decoded by `scheduler.Scheduler` on its own thread, so the event loop never runs a model. Routes:
+`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus text). With an API key, every route but `/health` needs
+`Authorization: Bearer KEY`, compared in constant time. Errors use OpenAI's error format and
+never carry a traceback or a file path. Events cross from the worker thread to the event loop
+through `loop.call_soon_threadsafe`, so the app runs on asyncio servers (uvicorn, hypercorn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import InputError, SpecEdgeError
+from .openai_api import (
+    SSE_DONE,
+    APIError,
+    ParsedRequest,
+    RequestDefaults,
+    ResponseShape,
+    error_body,
+    finish_reason,
+    parse_request,
+    sse,
+)
+from .pair import GenerationConfig, GenerationResult, Pair
+from .scheduler import (
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    Job,
+    Metrics,
+    QueueFull,
+    Scheduler,
+    SchedulerOptions,
+)
+
+log = logging.getLogger("specedge.serve")
+
+__all__ = ["ServerOptions", "create_app"]
+
+# How a worker-side failure reaches the client: status, error type.
+_FAILED = {"input": (400, "invalid_request_error"), "timeout": (504, "timeout_error"),
+           "cancelled": (499, "invalid_request_error"), "shutdown": (503, "server_error"),
+           "internal": (500, "server_error")}
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How `specedge serve` listens, limits and decodes.
+
+    Attributes:
+        host, port: where the CLI's uvicorn listens (127.0.0.1 by default: this machine only).
+        api_key: required as `Authorization: Bearer KEY` on every route but /health (None: no
+            key). Never printed or logged.
+        model_name: the model id clients send (default: the pair folder's name).
+        max_batch: requests decoding together (concat-form pairs).
+        max_queue: requests waiting beyond the running ones; one more gets 429.
+        max_tokens_limit: the largest `max_tokens` a request may ask for (and the default).
+        max_context: prompt + completion tokens per request (sizes the batch's KV cache).
+        max_body_bytes: the largest request body (413 above it).
+        request_timeout_s: a request still running after this long is ended (504).
+        drafter, num_draft_tokens, adaptive: the decoding plan (None: the pair's defaults).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = field(default=None, repr=False)
+    model_name: str | None = None
+    max_batch: int = 4
+    max_queue: int = 16
+    max_tokens_limit: int = 512
+    max_context: int = 2048
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 300.0
+    drafter: str | None = None
+    num_draft_tokens: int | None = None
+    adaptive: bool | None = None
+
+    def __post_init__(self) -> None:
+        checks = [("port", self.port, 0, 65535), ("max_batch", self.max_batch, 1, 256),
+                  ("max_queue", self.max_queue, 0, 100_000),
+                  ("max_tokens_limit", self.max_tokens_limit, 1, 1_000_000),
+                  ("max_context", self.max_context, 2, 1_000_000),
+                  ("max_body_bytes", self.max_body_bytes, 1024, 1 << 30)]
+        for name, value, lo, hi in checks:
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise InputError(f"server option {name} must be an integer in [{lo}, {hi}], "
+                                 f"got {value!r}")
+        if not self.request_timeout_s > 0:
+            raise InputError(f"server option request_timeout_s must be > 0, got "
+                             f"{self.request_timeout_s!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise InputError("the API key is empty; pass a non-empty --api-key or none")
+
+    def scheduler_options(self) -> SchedulerOptions:
+        return SchedulerOptions(max_batch=self.max_batch, max_queue=self.max_queue,
+                                request_timeout_s=self.request_timeout_s,
+                                max_context=self.max_context, drafter=self.drafter,
+                                num_draft_tokens=self.num_draft_tokens, adaptive=self.adaptive)
+
+
+@dataclass
+class _State:
+    pair: Pair
+    options: ServerOptions
+    scheduler: Scheduler
+    metrics: Metrics
+    defaults: RequestDefaults
+
+    def public(self, message: str) -> str:
+        """A runtime message with the pair's folder replaced by the model id."""
+        for root in {str(self.pair.manifest.root), str(self.pair.manifest.root.resolve())}:
+            message = message.replace(root, self.defaults.model)
+        return message
+
+
+def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
+    """The ASGI app serving `pair` (see the module docstring).
+
+    The decoding worker starts with the app's lifespan or at the first request, and stops at
+    lifespan shutdown; `app.state.scheduler` and `app.state.metrics` expose it.
+
+    Raises:
+        InputError: a decoding plan the pair cannot run (e.g. a model drafter without a draft).
+    """
+    options = options or ServerOptions()
+    metrics = Metrics()
+    scheduler = Scheduler(pair, options.scheduler_options(), metrics)
+    pair.plan(GenerationConfig(drafter=options.drafter, num_draft_tokens=options.num_draft_tokens,
+                               adaptive=options.adaptive))  # fail now, not at the first request
+    defaults = RequestDefaults(model=options.model_name or pair.manifest.root.name,
+                               max_tokens_limit=options.max_tokens_limit,
+                               drafter=options.drafter,
+                               num_draft_tokens=options.num_draft_tokens,
+                               adaptive=options.adaptive, per_request_plan=not scheduler.batched)
+    state = _State(pair, options, scheduler, metrics, defaults)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        scheduler.start()
+        yield
+        await anyio.to_thread.run_sync(scheduler.close)
+
+    def bind(handler: Callable[[Request, _State], Awaitable[Response]]
+             ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await handler(request, state)
+        return endpoint
+
+    routes = [
+        Route("/v1/chat/completions", bind(_chat), methods=["POST"]),
+        Route("/v1/completions", bind(_text), methods=["POST"]),
+        Route("/v1/models", bind(_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", bind(_model), methods=["GET"]),
+        Route("/health", bind(_health), methods=["GET"]),
+        Route("/metrics", bind(_metrics), methods=["GET"]),
+    ]
+    middleware = [Middleware(_CountRequests, metrics=metrics)]
+    if options.api_key is not None:
+        middleware.append(Middleware(_RequireKey, key=options.api_key))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={APIError: _api_error, HTTPException: _http_error,
+                                        Exception: _internal_error})
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    return app
+
+
+# ------------------------------------------------------------------------------- routes
+
+
+async def _chat(request: Request, state: _State) -> Response:
+    return await _complete(request, state, "chat")
+
+
+async def _text(request: Request, state: _State) -> Response:
+    return await _complete(request, state, "text")
+
+
+async def _complete(request: Request, state: _State, kind: str) -> Response:
+    body = await _read_json(request, state.options.max_body_bytes)
+    parsed = parse_request(kind, body, state.defaults)
+    config = await run_in_threadpool(_fit, state, parsed)
+    shape = ResponseShape.new(kind, state.defaults.model)
+    bridge = _Bridge(asyncio.get_running_loop())
+    try:
+        job = state.scheduler.submit(parsed.prompt, config, bridge.put)
+    except QueueFull as full:
+        raise APIError(429, f"The server is busy ({state.options.max_queue} requests queued); "
+                            f"retry after {full.retry_after} s.", kind="rate_limit_error",
+                       code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
+    if parsed.stream:
+        return _GenerationStream(_sse_events(shape, bridge, parsed, state),
+                                 on_close=lambda: state.scheduler.cancel(job))
+    result = await _collect(request, bridge, job, state)
+    return JSONResponse(shape.body(result))
+
+
+def _fit(state: _State, parsed: ParsedRequest) -> GenerationConfig:
+    """Encode the prompt and fit the completion into the context (runs off the event loop).
+
+    Raises:
+        APIError: 400 for a prompt the chat template refuses, or one too long for the context.
+    """
+    param = "messages" if parsed.kind == "chat" else "prompt"
+    try:
+        ids = state.pair.encode_prompt(parsed.prompt)
+        context = state.scheduler.context(parsed.config)
+    except InputError as exc:
+        raise APIError(400, state.public(str(exc)), param=param) from None
+    room = context - len(ids)
+    asked = parsed.config.max_new_tokens
+    if room < 1 or (parsed.max_tokens_given and asked > room):
+        raise APIError(400, f"This model's maximum context length is {context} tokens; the "
+                            f"prompt has {len(ids)} tokens"
+                            + (f" and {asked} more were requested." if room >= 1 else "."),
+                       param=param, code="context_length_exceeded")
+    return replace(parsed.config, max_new_tokens=min(asked, room))
+
+
+async def _sse_events(shape: ResponseShape, bridge: _Bridge, parsed: ParsedRequest,
+                      state: _State) -> AsyncIterator[bytes]:
+    if shape.kind == "chat":
+        yield shape.chunk("")
+    while True:
+        event = await bridge.get()
+        if isinstance(event, Delta):
+            yield shape.chunk(event.text)
+        elif isinstance(event, Finished):
+            yield shape.chunk(None, finish_reason(event.result.stop_reason))
+            if parsed.include_usage:
+                yield shape.usage_chunk(event.result)
+            break
+        else:
+            error = _failure_error(event, state)
+            yield sse(error_body(error.message, kind=error.kind, code=error.code))
+            break
+    yield SSE_DONE
+
+
+async def _collect(request: Request, bridge: _Bridge, job: Job, state: _State
+                   ) -> GenerationResult:
+    """Wait for a non-streaming job; a client that disconnects cancels it."""
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(_cancel_on_disconnect, request, job, state)
+            event = await bridge.get()
+            while isinstance(event, Delta):
+                event = await bridge.get()
+            group.cancel_scope.cancel()
+    finally:
+        state.scheduler.cancel(job)  # no-op when it has ended
+    if isinstance(event, Failed):
+        raise _failure_error(event, state)
+    assert isinstance(event, Finished)
+    return event.result
+
+
+async def _cancel_on_disconnect(request: Request, job: Job, state: _State) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    state.scheduler.cancel(job)
+
+
+def _failure_error(event: Failed, state: _State) -> APIError:
+    status, kind = _FAILED[event.reason]
+    return APIError(status, state.public(event.message), kind=kind, code=event.reason)
+
+
+async def _models(request: Request, state: _State) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def _model(request: Request, state: _State) -> Response:
+    if request.path_params["model"] != state.defaults.model:
+        raise APIError(404, "The model does not exist; GET /v1/models lists the served one.",
+                       param="model", code="model_not_found")
+    return JSONResponse(_model_card(state))
+
+
+def _model_card(state: _State) -> dict[str, Any]:
+    return {"id": state.defaults.model, "object": "model", "created": 0, "owned_by": "specedge"}
+
+
+async def _health(request: Request, state: _State) -> Response:
+    ok = state.scheduler.alive
+    return JSONResponse({"status": "ok" if ok else "error", "model": state.defaults.model,
+                         "scheduling": "continuous-batch" if state.scheduler.batched
+                         else "fifo-batch-1"}, status_code=200 if ok else 503)
+
+
+async def _metrics(request: Request, state: _State) -> Response:
+    text = state.metrics.render({"specedge_queue_depth": state.scheduler.queued,
+                                 "specedge_running": state.scheduler.running})
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# ------------------------------------------------------------------------------- plumbing
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The request body as JSON, reading at most `limit` bytes.
+
+    Raises:
+        APIError: 413 for a larger body, 400 for one that is not JSON.
+    """
+    too_big = APIError(413, f"The request body is larger than this server's limit of {limit} "
+                            "bytes.", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "the client disconnected") from None
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
+
+
+class _Bridge:
+    """Events from the worker thread into the event loop (one request)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def put(self, event: Event) -> None:  # worker thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop has closed (server shutdown)
+            pass
+
+    async def get(self) -> Event:
+        return await self.queue.get()
+
+
+class _GenerationStream(StreamingResponse):
+    """An SSE response that cancels its generation however the stream ends (client
+    disconnect, server shutdown, or completion, where cancelling is a no-op)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+class _RequireKey:
+    """Bearer-key check on every route but /health, in constant time (sha256 digests compared
+    with `hmac.compare_digest`, so neither content nor length leaks through timing)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(key.encode("utf-8")).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health" or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        body = error_body("Incorrect or missing API key; send 'Authorization: Bearer KEY'.",
+                          code="invalid_api_key")
+        await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive,
+                                                                               send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+        scheme, _, token = header.partition(b" ")
+        digest = hashlib.sha256(token.strip()).digest()
+        return hmac.compare_digest(digest, self._digest) and scheme.lower() == b"bearer"
+
+
+class _CountRequests:
+    """Counts every HTTP request by route and status (unknown paths as "other")."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        path = scope["path"]
+        route = path if path in _ROUTES else ("/v1/models" if path.startswith("/v1/models/")
+                                              else "other")
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.inc("specedge_requests_total", route=route, status=str(status[0]))
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    body = error_body(str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(body, exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # Starlette re-raises `exc` after this response, so the server logs the traceback; the
+    # client gets a fixed message.
+    if isinstance(exc, SpecEdgeError):
+        log.error("request failed: %s", exc)
+    return JSONResponse(error_body("Internal server error.", kind="server_error"), 500)

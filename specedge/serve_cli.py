@@ -1,0 +1,121 @@
+"""`specedge serve`: run the OpenAI-compatible server (`runtime.server`) under uvicorn.
+
+Needs the `[serve]` extra (starlette, uvicorn). Registered on the CLI group by `specedge.cli`;
+`python -m specedge.serve_cli PAIR ...` runs it too.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from specedge.runtime.errors import SpecEdgeError
+from specedge.runtime.policy import DRAFTER_CHOICES
+
+if TYPE_CHECKING:
+    from specedge.runtime.scheduler import Scheduler
+
+log = logging.getLogger("specedge.serve")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
+    mode = (f"continuous batching of {scheduler.options.max_batch}" if scheduler.batched
+            else "batch-1 FIFO (gqa-shared pair)")
+    auth = "API key required" if keyed else "no API key"
+    return f"specedge serve: {mode}, {auth}, on http://{host}:{port}/v1"
+
+
+@click.command()
+@click.argument("pair", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface to listen on (0.0.0.0: every interface; use --api-key).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", default=None, envvar="SPECEDGE_API_KEY", show_default=False,
+              help="Require 'Authorization: Bearer KEY' (or set SPECEDGE_API_KEY).")
+@click.option("--model-name", default=None, help="Model id for clients (default: PAIR's name).")
+@click.option("--max-batch", default=4, show_default=True, type=click.IntRange(1, 256),
+              help="Requests decoding together (concat-form pairs).")
+@click.option("--max-queue", default=16, show_default=True, type=click.IntRange(0, 100_000),
+              help="Requests waiting beyond the running ones; more get 429.")
+@click.option("--max-tokens-limit", default=512, show_default=True,
+              type=click.IntRange(1, 1_000_000), help="Largest max_tokens per request.")
+@click.option("--max-context", default=2048, show_default=True,
+              type=click.IntRange(2, 1_000_000), help="Prompt + completion tokens per request.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True,
+              type=click.IntRange(1024, 1 << 30), help="Largest request body.")
+@click.option("--request-timeout", default=300.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Seconds per request.")
+@click.option("--drafter", default=None, type=click.Choice(DRAFTER_CHOICES))
+@click.option("--num-draft-tokens", "-k", default=None, type=click.IntRange(1, 64),
+              help="Draft length K (default: the pair's).")
+@click.option("--no-speculation", is_flag=True, help="Target-only decoding.")
+@click.option("--adaptive/--fixed-k", default=None,
+              help="Adapt K to measured acceptance and cost (default: the pair's).")
+@click.option("--providers", default="cpu", show_default=True,
+              help="Execution provider, or TARGET,DRAFT (e.g. cuda,cpu).")
+@click.option("--threads", default=None, help="Intra-op threads, or TARGET,DRAFT.")
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
+          max_batch: int, max_queue: int, max_tokens_limit: int, max_context: int,
+          max_body_bytes: int, request_timeout: float, drafter: str | None,
+          num_draft_tokens: int | None, no_speculation: bool, adaptive: bool | None,
+          providers: str, threads: str | None, no_verify: bool, log_level: str) -> None:
+    """Serve PAIR with an OpenAI-compatible API (chat, completions, streaming).
+
+    Concat-form pairs decode requests in one continuously batched speculative loop; gqa-shared
+    pairs one at a time. Listens on 127.0.0.1 unless --host says otherwise.
+    """
+    try:
+        import uvicorn
+
+        from specedge.runtime.server import ServerOptions, create_app
+    except ImportError as exc:
+        click.echo(f"error: specedge serve needs the [serve] extra ({exc.name} is missing): "
+                   "pip install 'specedge[serve]'", err=True)
+        sys.exit(1)
+    from specedge.cli import LoadOptions
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    try:
+        options = ServerOptions(host=host, port=port, api_key=api_key, model_name=model_name,
+                                max_batch=max_batch, max_queue=max_queue,
+                                max_tokens_limit=max_tokens_limit, max_context=max_context,
+                                max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
+                                drafter="none" if no_speculation else drafter,
+                                num_draft_tokens=num_draft_tokens, adaptive=adaptive)
+        loaded = LoadOptions(providers=providers, threads=threads, no_verify=no_verify).load(pair)
+        app = create_app(loaded, options)
+    except SpecEdgeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except OSError as exc:
+        click.echo(f"error: {exc.filename or ''}: {exc.strerror or exc}", err=True)
+        sys.exit(1)
+    os.environ.pop("SPECEDGE_API_KEY", None)  # child processes need not see it
+    if not _is_loopback(host) and api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can "
+                    "use the model", host)
+    log.info(_describe(app.state.scheduler, host, port, api_key is not None))
+    uvicorn.run(app, host=host, port=port, log_level=log_level, server_header=False,
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    serve()
