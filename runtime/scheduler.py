@@ -464,6 +464,7 @@ class Scheduler:
             self._expire()
             if self.engine.jobs:
                 self._round()
+            self._running = self.engine.running
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:
@@ -489,7 +490,6 @@ class Scheduler:
     def _round(self) -> None:
         for job, event in self.engine.round():
             self._end(job, event)
-        self._running = self.engine.running
 
     def _end(self, job: Job, event: Failed | Finished) -> None:
         if job.done:

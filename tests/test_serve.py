@@ -1,0 +1,516 @@
+"""`specedge serve`: a real uvicorn server on 127.0.0.1 and real clients (`openai`, httpx).
+
+Both graph forms: the concat tiny pair (continuous batching) and the gqa-shared tiny pair
+(batch-1 FIFO). Greedy responses equal `Pair.generate` with the same settings (what
+`specedge generate` prints); seeded ones equal their solo run whatever else is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specedge.runtime import server as server_module
+from specedge.runtime.errors import InputError
+from specedge.runtime.openai_api import RequestDefaults, finish_reason, parse_request
+from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.sampling import SamplingParams
+from specedge.runtime.server import ServerOptions, create_app
+
+ROOT = Path(__file__).resolve().parents[1]
+FORMS = {"gqa": "tiny-llama", "concat": "tiny-llama-concat"}
+PROMPTS = ["Hello there", "The quick brown fox", "def add(a, b):", "Once upon a time",
+           "Write a haiku about the sea.", "1, 2, 3, 4,", "The capital of France is", "Hi"]
+BODY_LIMIT = 64 * 1024
+
+
+@dataclass
+class Served:
+    pair: Pair
+    url: str
+    app: Any
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"),
+                             max_retries=0, timeout=60, **kwargs)
+
+    @property
+    def model(self) -> str:
+        return str(self.app.state.scheduler.pair.manifest.root.name)
+
+
+@contextmanager
+def running(app: Any) -> Iterator[str]:
+    """Run `app` under uvicorn on a free 127.0.0.1 port in a thread; yield its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def pairs(fixtures_dir: Path) -> dict[str, Pair]:
+    return {form: Pair.load(fixtures_dir / name) for form, name in FORMS.items()}
+
+
+@pytest.fixture(scope="module", params=list(FORMS))
+def served(request: pytest.FixtureRequest, pairs: dict[str, Pair]) -> Iterator[Served]:
+    pair = pairs[request.param]
+    app = create_app(pair, ServerOptions(max_batch=4, max_queue=16, max_tokens_limit=480,
+                                         max_body_bytes=BODY_LIMIT))
+    with running(app) as url:
+        yield Served(pair, url, app)
+
+
+def solo(pair: Pair, prompt: Any, max_tokens: int, temperature: float = 0.0,
+         seed: int | None = None, stop: tuple[str, ...] = (), chat: bool = True) -> Any:
+    """What `specedge generate [--chat]` gives with these settings."""
+    sampling = SamplingParams(temperature=temperature, seed=seed)
+    return pair.generate(prompt, GenerationConfig(max_new_tokens=max_tokens, sampling=sampling,
+                                                  stop=stop, chat=chat))
+
+
+def capture_jobs(app: Any) -> list[Any]:
+    """Record the scheduler's jobs as they are submitted."""
+    scheduler, jobs = app.state.scheduler, []
+    submit = scheduler.submit
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        job = submit(*args, **kwargs)
+        jobs.append(job)
+        return job
+
+    scheduler.submit = recording
+    return jobs
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+# ------------------------------------------------------------------------------- the openai client
+
+
+def test_openai_client_equals_generate(served: Served) -> None:
+    client, pair, model = served.client(), served.pair, served.model
+    messages = [{"role": "user", "content": "Hello there"}]
+    want = solo(pair, "Hello there", 24)
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24,
+                                           temperature=0)
+    assert reply.choices[0].message.content == want.text
+    assert reply.choices[0].finish_reason == finish_reason(want.stop_reason) == "length"
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+        len(want.prompt_tokens), len(want.tokens))
+    assert 0.0 <= reply.usage.model_extra["specedge"]["acceptance_rate"] <= 1.0
+
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+
+    plain = solo(pair, "The quick brown fox", 16, chat=False)
+    done = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=16,
+                                     temperature=0)
+    assert done.choices[0].text == plain.text
+    streamed = client.completions.create(model=model, prompt="The quick brown fox",
+                                         max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == plain.text
+
+
+def test_stop_strings_and_seeded_sampling(served: Served) -> None:
+    client, pair, model = served.client(), served.pair, served.model
+    full = solo(pair, "Once upon a time", 40).text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    want = solo(pair, "Once upon a time", 40, stop=(stop,))
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Once upon a time"}],
+        max_tokens=40, temperature=0, stop=stop)
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (want.text,
+                                                                                   "stop")
+    seeded = solo(pair, "Hi", 30, temperature=0.9, seed=11)
+    for _ in range(2):
+        again = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=30,
+            temperature=0.9, seed=11)
+        assert again.choices[0].message.content == seeded.text
+
+
+def test_sixteen_concurrent_streams_equal_solo_runs(served: Served) -> None:
+    cases = [(PROMPTS[i % len(PROMPTS)], 8 + 5 * i, 0.0 if i % 2 else 0.8, i)
+             for i in range(16)]
+
+    async def one(client: openai.AsyncOpenAI, case: tuple[str, int, float, int]) -> str:
+        prompt, n, temperature, seed = case
+        stream = await client.chat.completions.create(
+            model=served.model, messages=[{"role": "user", "content": prompt}], max_tokens=n,
+            temperature=temperature, seed=seed, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none",
+                                      max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, c) for c in cases))
+
+    got = asyncio.run(main())
+    for (prompt, n, temperature, seed), text in zip(cases, got, strict=True):
+        assert text == solo(served.pair, prompt, n, temperature, seed).text, (prompt, n)
+    scheduler = served.app.state.scheduler
+    if scheduler.batched:  # requests shared rounds, joining and leaving the running batch
+        assert max(scheduler.engine.batch.decoder.totals.live_rows) == 4
+
+
+# ------------------------------------------------------------------------------- cancellation
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_disconnect_frees_the_slot_within_a_round(pairs: dict[str, Pair], form: str) -> None:
+    pair = pairs[form]
+    app = create_app(pair, ServerOptions(max_batch=1, max_queue=4, max_tokens_limit=480))
+    jobs = capture_jobs(app)
+    body = {"model": pair.manifest.root.name, "prompt": "Hello", "max_tokens": 480,
+            "temperature": 0, "stream": True}
+    with running(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # one event, then hang up
+        wait_for(lambda: jobs[0].done)
+        assert jobs[0].cancelled and jobs[0].rounds_after_cancel <= 1
+        assert jobs[0].rounds < 300  # it did not run to its 480 tokens
+        scheduler = app.state.scheduler
+        wait_for(lambda: scheduler.queued == scheduler.running == 0)
+
+        # A non-streaming request whose client hangs up is cancelled too.
+        raw = json.dumps({**body, "stream": False}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw))
+            wait_for(lambda: len(jobs) == 2 and jobs[1].rounds > 0)
+        wait_for(lambda: jobs[1].done)
+        assert jobs[1].cancelled and jobs[1].rounds_after_cancel <= 1
+
+        # The next request gets the slot and its full answer.
+        reply = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 12})
+        assert reply.status_code == 200
+        assert reply.json()["choices"][0]["text"] == solo(pair, "Hello", 12, chat=False).text
+        metrics = http.get("/metrics").text
+        assert 'specedge_generations_total{reason="cancelled"} 2' in metrics
+
+
+class SlowPair(Pair):
+    """A pair whose generations wait on `gate` before decoding and sleep `delay` per delta."""
+
+    def __init__(self, pair: Pair, delay: float = 0.0) -> None:
+        super().__init__(pair.manifest, pair.tokenizer, pair.target, pair.draft)
+        self.entered, self.gate, self.delay = threading.Event(), threading.Event(), delay
+
+    def stream(self, prompt: Any, config: GenerationConfig | None = None,
+               stats: Any = None) -> Any:
+        self.entered.set()
+        assert self.gate.wait(30)
+        inner = super().stream(prompt, config, stats)
+
+        def slow() -> Any:
+            while True:
+                try:
+                    delta = next(inner)
+                except StopIteration as done:
+                    return done.value
+                time.sleep(self.delay)
+                yield delta
+
+        return slow()
+
+
+def test_full_queue_answers_429_with_retry_after(pairs: dict[str, Pair]) -> None:
+    pair = SlowPair(pairs["gqa"])
+    app = create_app(pair, ServerOptions(max_queue=1, max_tokens_limit=64))
+    body = {"model": pair.manifest.root.name, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 8, "temperature": 0}
+    with running(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        results: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: results.append(
+            http.post("/v1/chat/completions", json=body))) for _ in range(2)]
+        threads[0].start()
+        assert pair.entered.wait(10)  # the first one holds the worker
+        threads[1].start()
+        wait_for(lambda: app.state.scheduler.queued >= 2)  # one running (blocked), one waiting
+        refused = http.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 429
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert refused.json()["error"]["code"] == "queue_full"
+        pair.gate.set()
+        for t in threads:
+            t.join(30)
+        assert [r.status_code for r in results] == [200, 200]
+        want = solo(pairs["gqa"], "Hi", 8).text
+        assert all(r.json()["choices"][0]["message"]["content"] == want for r in results)
+        assert "specedge_rejected_total 1" in http.get("/metrics").text
+        assert http.get("/health").json()["status"] == "ok"
+
+
+def test_deadline_ends_a_request(pairs: dict[str, Pair]) -> None:
+    pair = SlowPair(pairs["gqa"], delay=0.05)
+    pair.gate.set()
+    app = create_app(pair, ServerOptions(request_timeout_s=0.3, max_tokens_limit=200))
+    body = {"model": pair.manifest.root.name, "prompt": "Hello", "max_tokens": 200,
+            "temperature": 0}
+    with running(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        late = http.post("/v1/completions", json=body)
+        assert late.status_code == 504 and late.json()["error"]["code"] == "timeout"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIError, match="limit of 0.3 s"):
+            for _ in client.completions.create(model=body["model"], prompt="Hello",
+                                               max_tokens=200, temperature=0, stream=True):
+                pass
+        assert http.get("/health").status_code == 200
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
+    msg = [{"role": "user", "content": "Hi"}]
+    chat = {"model": model, "messages": msg}
+    long_prompt = "word " * 2000  # more tokens than the tiny pairs' 512-token context
+    return [
+        ("malformed json", b"{not json", 400, None),
+        ("not an object", b"[1, 2]", 400, None),
+        ("messages wrong type", {**chat, "messages": "Hi"}, 400, "messages"),
+        ("max_tokens wrong type", {**chat, "max_tokens": "12"}, 400, "max_tokens"),
+        ("temperature wrong type", {**chat, "temperature": "hot"}, 400, "temperature"),
+        ("stream wrong type", {**chat, "stream": "yes"}, 400, "stream"),
+        ("stop wrong type", {**chat, "stop": 5}, 400, "stop"),
+        ("n=2", {**chat, "n": 2}, 400, "n"),
+        ("logprobs", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("tools", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+         "tools"),
+        ("response_format", {**chat, "response_format": {"type": "json_object"}}, 400,
+         "response_format"),
+        ("negative max_tokens", {**chat, "max_tokens": -1}, 400, "max_tokens"),
+        ("huge max_tokens", {**chat, "max_tokens": 10**12}, 400, "max_tokens"),
+        ("zero max_completion_tokens", {**chat, "max_completion_tokens": 0}, 400,
+         "max_completion_tokens"),
+        ("empty messages", {**chat, "messages": []}, 400, "messages"),
+        ("tool role", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400,
+         "messages[0].role"),
+        ("image part", {**chat, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
+        ("unknown model", {**chat, "model": "gpt-4o"}, 404, "model"),
+        ("missing model", {"messages": msg}, 400, "model"),
+        ("unknown drafter", {**chat, "drafter": "oracle"}, 400, "drafter"),
+        ("prompt longer than the context", {**chat, "messages": [
+            {"role": "user", "content": long_prompt}]}, 400, "messages"),
+        ("context overflow with max_tokens", {"model": model, "prompt": "word " * 100,
+                                              "max_tokens": 480}, 400, "prompt"),
+        ("oversize body", {**chat, "messages": [
+            {"role": "user", "content": "x" * (BODY_LIMIT + 10)}]}, 413, None),
+    ]
+
+
+def test_bad_input_is_4xx_in_openai_format(served: Served) -> None:
+    folder = str(served.pair.manifest.root)
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        for name, body, status, param in _bad_cases(served.model):
+            path = "/v1/completions" if isinstance(body, dict) and "prompt" in body \
+                else "/v1/chat/completions"
+            if isinstance(body, bytes):
+                reply = http.post(path, content=body,
+                                  headers={"Content-Type": "application/json"})
+            else:
+                reply = http.post(path, json=body)
+            assert reply.status_code == status, (name, reply.text)
+            error = reply.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, name
+            assert error["message"] and error["param"] == param, (name, error)
+            assert "Traceback" not in reply.text and folder not in reply.text, name
+        assert http.get("/nowhere").status_code == 404
+        assert http.get("/nowhere").json()["error"]["code"] == "not_found"
+        assert http.post("/v1/models").status_code == 405
+        assert http.get("/health").json()["status"] == "ok"
+    reply = served.client().chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_batch_shares_one_drafter(pairs: dict[str, Pair]) -> None:
+    pair = pairs["concat"]
+    app = create_app(pair, ServerOptions(num_draft_tokens=2))
+    with running(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        body = {"model": pair.manifest.root.name, "prompt": "Hi", "max_tokens": 4}
+        assert http.post("/v1/completions", json={**body, "num_draft_tokens": 2}).is_success
+        refused = http.post("/v1/completions", json={**body, "num_draft_tokens": 5})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "num_draft_tokens"
+
+
+# ------------------------------------------------------------------------------- API key
+
+
+def test_api_key(pairs: dict[str, Pair], monkeypatch: pytest.MonkeyPatch,
+                 caplog: pytest.LogCaptureFixture) -> None:
+    key, compared = "sk-test-0123456789", []
+    real = server_module.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append(len(a) == len(b) == 32)
+        return real(a, b)
+
+    monkeypatch.setattr(server_module.hmac, "compare_digest", spy)
+    pair = pairs["gqa"]
+    app = create_app(pair, ServerOptions(api_key=key))
+    assert key not in repr(ServerOptions(api_key=key))
+    model = pair.manifest.root.name
+    with running(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key},
+                        {"Authorization": f"Basic {key}"}):
+            for path in ("/v1/models", "/metrics"):
+                reply = http.get(path, headers=headers)
+                assert reply.status_code == 401, (path, headers)
+                assert reply.json()["error"]["code"] == "invalid_api_key"
+        assert http.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).is_success
+        assert compared and all(compared)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        reply = client.completions.create(model=model, prompt="Hi", max_tokens=4,
+                                          temperature=0)
+        assert reply.choices[0].text == solo(pair, "Hi", 4, chat=False).text
+    assert key not in caplog.text
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_cli_serves_and_never_logs_the_key(tiny_pair_dir: Path) -> None:
+    key, port = "sk-cli-secret-42", _free_port()
+    env = {**os.environ, "SPECEDGE_API_KEY": key}
+    proc = subprocess.Popen([sys.executable, "-m", "specedge.serve_cli", str(tiny_pair_dir),
+                             "--port", str(port), "--log-level", "debug"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).is_success:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope-guess"}
+                         ).status_code == 401
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        reply = client.chat.completions.create(
+            model=tiny_pair_dir.name, messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=6, temperature=0)
+        assert reply.choices[0].finish_reason == "length"
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "Application startup complete" in out and "API key required" in out
+    assert key not in out and "nope-guess" not in out
+
+
+# ------------------------------------------------------------------------------- models, metrics
+
+
+def test_models_health_and_metrics(served: Served) -> None:
+    client = served.client()
+    assert [m.id for m in client.models.list()] == [served.model]
+    assert client.models.retrieve(served.model).id == served.model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    before = _metric(served, "specedge_completion_tokens_total")
+    reply = client.chat.completions.create(
+        model=served.model, messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=10, temperature=0)
+    assert reply.usage is not None
+    with httpx.Client(base_url=served.url) as http:
+        health = http.get("/health").json()
+        assert health["status"] == "ok" and health["model"] == served.model
+        text = http.get("/metrics").text
+    assert _metric(served, "specedge_completion_tokens_total") - before == \
+        reply.usage.completion_tokens
+    for name in ("specedge_requests_total", "specedge_acceptance_rate",
+                 "specedge_tokens_per_round", "specedge_queue_depth",
+                 "specedge_time_to_first_token_seconds_bucket",
+                 "specedge_time_per_output_token_seconds_bucket",
+                 'specedge_requests_total{route="/v1/chat/completions",status="200"}'):
+        assert name in text, name
+    assert 'le="+Inf"' in text and "# TYPE specedge_time_to_first_token_seconds histogram" in text
+
+
+def _metric(served: Served, name: str) -> float:
+    text = httpx.get(served.url + "/metrics").text
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[1])
+
+
+# ------------------------------------------------------------------------------- request parsing
+
+
+def test_parse_request_fields() -> None:
+    defaults = RequestDefaults(model="m", max_tokens_limit=100)
+    parsed = parse_request("chat", {
+        "model": "m", "messages": [{"role": "developer", "content": [
+            {"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+            {"role": "user", "content": "Hi"}],
+        "max_completion_tokens": 7, "max_tokens": 9, "stop": "\n", "seed": -1, "top_k": 5,
+        "min_p": 0.1, "user": "ignored", "store": False, "stream": True,
+        "stream_options": {"include_usage": True}}, defaults)
+    assert parsed.prompt == [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Hi"}]
+    config = parsed.config
+    assert (config.max_new_tokens, config.stop, config.sampling.seed) == (7, ("\n",), 2**64 - 1)
+    assert (config.sampling.temperature, config.sampling.top_k, config.sampling.min_p) == (
+        1.0, 5, 0.1)
+    assert parsed.stream and parsed.include_usage and parsed.max_tokens_given
+    unset = parse_request("text", {"model": "m", "prompt": ["Hi"]}, defaults)
+    assert unset.config.max_new_tokens == 100 and not unset.max_tokens_given
+    assert [finish_reason(r) for r in ("eos", "stop", "max_new_tokens", "context")] == [
+        "stop", "stop", "length", "length"]
+
+
+def test_server_options_are_checked() -> None:
+    for bad in ({"max_batch": 0}, {"max_body_bytes": 10}, {"api_key": " "},
+                {"request_timeout_s": 0}):
+        with pytest.raises(InputError):
+            ServerOptions(**bad)
