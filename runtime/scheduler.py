@@ -311,7 +311,8 @@ class _SerialEngine:
 
     def drop(self, job: Job) -> None:
         if job is self.current:
-            self.stream.close()  # ends the decode loop and frees its caches now
+            if self.stream is not None:
+                self.stream.close()  # ends the decode loop and frees its caches now
             self.current = self.stream = None
         elif job in self.fifo:
             self.fifo.remove(job)
@@ -321,9 +322,10 @@ class _SerialEngine:
         prefixes hold text back); a failure fails the current job only."""
         if self.current is None:
             self.current = self.fifo.popleft()
-            self.stream = self.pair.stream(self.current.prompt, self.current.config)
         job = self.current
         try:
+            if self.stream is None:
+                self.stream = self.pair.stream(job.prompt, job.config)
             text = next(self.stream)
         except StopIteration as stop:
             self.current = self.stream = None

@@ -345,7 +345,7 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise APIError(499, "the client disconnected") from None
     try:
         return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
 
 

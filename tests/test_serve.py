@@ -309,6 +309,7 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
     return [
         ("malformed json", b"{not json", 400, None),
         ("not an object", b"[1, 2]", 400, None),
+        ("deeply nested json", b"[" * 30000 + b"]" * 30000, 400, None),
         ("messages wrong type", {**chat, "messages": "Hi"}, 400, "messages"),
         ("max_tokens wrong type", {**chat, "max_tokens": "12"}, 400, "max_tokens"),
         ("temperature wrong type", {**chat, "temperature": "hot"}, 400, "temperature"),
@@ -507,6 +508,22 @@ def test_parse_request_fields() -> None:
     assert unset.config.max_new_tokens == 100 and not unset.max_tokens_given
     assert [finish_reason(r) for r in ("eos", "stop", "max_new_tokens", "context")] == [
         "stop", "stop", "length", "length"]
+
+
+def test_server_imports_without_torch(tiny_pair_dir: Path) -> None:
+    from .test_no_torch import BLOCKER
+
+    code = BLOCKER + f"""
+from specedge.runtime.pair import Pair
+from specedge.runtime.server import create_app
+create_app(Pair.load({str(tiny_pair_dir)!r}))
+assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("ok")
 
 
 def test_server_options_are_checked() -> None:
