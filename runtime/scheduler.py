@@ -179,10 +179,6 @@ class Metrics:
                         len(_BUCKETS[name]))] += 1
             total[0] += value
 
-    def value(self, name: str, **labels: str) -> float:
-        with self._lock:
-            return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
-
     def render(self, gauges: dict[str, float]) -> str:
         """The exposition text; `gauges` are read by the caller at scrape time."""
         with self._lock:
@@ -218,7 +214,7 @@ def _histogram_lines(name: str, counts: list[int], total: float) -> list[str]:
 
 # ------------------------------------------------------------------------------- engines
 
-Outcomes = list[tuple[Job, "Finished | Failed"]]
+Outcomes = list[tuple[Job, Finished | Failed]]
 
 
 def _failure(exc: Exception) -> Failed:

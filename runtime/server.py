@@ -382,6 +382,12 @@ class _GenerationStream(StreamingResponse):
             self.on_close()
 
 
+def _route_path(scope: Scope) -> str:
+    """The path inside this app (without the prefix it is mounted at)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class _RequireKey:
     """Bearer-key check on every route but /health, in constant time (sha256 digests compared
     with `hmac.compare_digest`, so neither content nor length leaks through timing)."""
@@ -391,7 +397,7 @@ class _RequireKey:
         self._digest = hashlib.sha256(key.encode("utf-8")).digest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] == "/health" or self._allowed(scope):
+        if scope["type"] != "http" or _route_path(scope) == "/health" or self._allowed(scope):
             await self.app(scope, receive, send)
             return
         body = error_body("Incorrect or missing API key; send 'Authorization: Bearer KEY'.",
@@ -426,7 +432,7 @@ class _CountRequests:
                 status[0] = message["status"]
             await send(message)
 
-        path = scope["path"]
+        path = _route_path(scope)
         route = path if path in _ROUTES else ("/v1/models" if path.startswith("/v1/models/")
                                               else "other")
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -508,6 +509,34 @@ def test_parse_request_fields() -> None:
     assert unset.config.max_new_tokens == 100 and not unset.max_tokens_given
     assert [finish_reason(r) for r in ("eos", "stop", "max_new_tokens", "context")] == [
         "stop", "stop", "length", "length"]
+
+
+def _doc_block(marker: str) -> str:
+    text = (ROOT / "docs" / "serve.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if marker in b)
+    return str(block)
+
+
+def test_doc_client_example_runs(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
+    code = _doc_block("from openai import OpenAI").replace(
+        "http://127.0.0.1:8000", served.url).replace('"smollm2-135m"', repr(served.model))
+    exec(compile(code, "docs/serve.md", "exec"), {})
+    want = solo(served.pair, "What is the capital of France?", 32).text
+    assert capsys.readouterr().out.startswith(want + " {'acceptance_rate'")
+
+
+def test_doc_embedding_example_mounts(tiny_pair_dir: Path) -> None:
+    code = _doc_block("create_app").replace('"pairs/smollm2-135m"', repr(str(tiny_pair_dir)))
+    code = code.replace('uvicorn.run(app, host="127.0.0.1", port=8000)', "")
+    scope: dict[str, Any] = {}
+    exec(compile(code, "docs/serve.md", "exec"), scope)
+    with running(scope["app"]) as url:
+        assert httpx.get(url + "/llm/health").json()["status"] == "ok"
+        client = openai.OpenAI(base_url=url + "/llm/v1", api_key="none", max_retries=0)
+        reply = client.completions.create(model=tiny_pair_dir.name, prompt="Hi", max_tokens=4,
+                                          temperature=0)
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+    scope["llm"].state.scheduler.close()
 
 
 def test_server_imports_without_torch(tiny_pair_dir: Path) -> None:
