@@ -200,7 +200,8 @@ class BatchDecoder:
                 model_rows.append(row)
         if not model_rows or self.draft is None:
             return drafts, {}, 0.0, set()
-        model, probs, seconds = _draft(self.draft, self.d_cache, model_rows, ks, self.compact)
+        model, probs, seconds = _draft(self.draft, self.d_cache, model_rows, ks, self.compact,
+                                       self.plan.draft_p_min)
         drafts.update(model)
         return drafts, probs, seconds, {r.index for r in model_rows}
 
@@ -305,12 +306,14 @@ def _prefill(model: OrtModel, cache: KVCache, index: int, tokens: list[int]) -> 
 
 
 def _draft(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks: dict[int, int],
-           compact: bool) -> tuple[dict[int, list[int]], dict[int, np.ndarray], float]:
+           compact: bool, p_min: float
+           ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], float]:
     """Propose ks[row] tokens with the draft model for each of `rows`; returns drafts, draft
     probabilities (random-sampling rows) and seconds in the draft model.
 
     With `compact`, a draft call feeds only the rows still drafting at that position; otherwise
-    every row stays in the call (the others with a masked dummy token)."""
+    every row stays in the call (the others with a masked dummy token). A row whose draft's
+    confidence falls under `p_min` stops drafting there (`ks` is updated)."""
     assert cache is not None
     drafts: dict[int, list[int]] = {r.index: [] for r in rows}
     probs: dict[int, list[np.ndarray]] = {r.index: [] for r in rows}
@@ -337,8 +340,11 @@ def _draft(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks: dic
             if lens[i] == 0:
                 continue
             row.draft_fed.extend(blocks[i])
-            token, p = row.sampler.draft_token(logits[i, lens[i] - 1], row.position + position,
-                                               model.vocab_ids)
+            token, p, confidence = row.sampler.draft_token(
+                logits[i, lens[i] - 1], row.position + position, model.vocab_ids)
+            if confidence < p_min:
+                ks[row.index] = position  # the draft doubts it: this row stops drafting
+                continue
             if p is not None:
                 probs[row.index].append(p)
             drafts[row.index].append(token)

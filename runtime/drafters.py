@@ -64,8 +64,8 @@ class ModelDrafter:
     `len(tokens) - 1`; `propose` feeds the missing tail (catch-up) then one token per step.
     """
 
-    def __init__(self, model: OrtModel, cache: KVCache) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: OrtModel, cache: KVCache, p_min: float = 0.0) -> None:
+        self.model, self.cache, self.p_min = model, cache, p_min
         self.fed: list[int] = []  # the tokens whose keys/values are in the cache
         self.stable = 0  # fed[:stable] equals the committed tokens
 
@@ -77,8 +77,9 @@ class ModelDrafter:
         drafts: list[int] = []
         probs: list[np.ndarray] = []
         seconds = step_seconds = 0.0
-        step_calls = 0
+        step_calls = calls = 0
         for i in range(k):
+            calls += 1
             t0 = time.perf_counter()
             logits = self.model.forward(self.cache, np.asarray([pending], np.int64))[0, -1]
             spent = time.perf_counter() - t0
@@ -87,13 +88,16 @@ class ModelDrafter:
                 step_seconds += spent
                 step_calls += 1
             self.fed.extend(pending)
-            token, p = sampler.draft_token(logits, position + i, self.model.vocab_ids)
+            token, p, confidence = sampler.draft_token(logits, position + i,
+                                                       self.model.vocab_ids)
+            if confidence < self.p_min:
+                break  # the draft doubts this token: verifying it is likely wasted
             if p is not None:
                 probs.append(p)
             drafts.append(token)
             pending = [token]
         return Proposal(np.asarray(drafts, np.int64), np.stack(probs) if probs else None,
-                        seconds, k, step_seconds, step_calls)
+                        seconds, calls, step_seconds, step_calls)
 
     def prefill(self, tokens: list[int]) -> None:
         """Feed all but the last committed token, so the first round drafts at once."""
@@ -317,13 +321,15 @@ def new_tuner(drafter: str, k_max: int) -> AdaptiveK:
     return AdaptiveK(k_max, draft_step=0.0 if drafter == "ngram" else None)
 
 
-def build_drafter(drafter: str, model: OrtModel | None, max_len: int) -> Drafter | None:
-    """The batch-1 drafter for a plan's drafter name (None: target only)."""
+def build_drafter(drafter: str, model: OrtModel | None, max_len: int,
+                  p_min: float = 0.0) -> Drafter | None:
+    """The batch-1 drafter for a plan's drafter name (None: target only); `p_min` is the
+    draft model's confidence cut-off."""
     if drafter == "none":
         return None
     ngram = ngram_for(drafter)
     if drafter == "ngram":
         return ngram
     assert model is not None, "the plan checked that a draft model is loaded"
-    own = ModelDrafter(model, model.new_cache(1, max_len))
+    own = ModelDrafter(model, model.new_cache(1, max_len), p_min)
     return own if ngram is None else HybridDrafter(own, ngram)

@@ -52,6 +52,8 @@ class GenerationConfig:
         adaptive: adapt k to measured acceptance and costs; None = pair default.
         stop: stop strings (may span tokens); the text is cut before the stop string.
         chat: render a str prompt through the chat template as one user message.
+        draft_p_min: the draft model stops proposing at a token it gives less than this
+            probability (0 = never; None = the default, `policy.DRAFT_P_MIN`).
     """
 
     max_new_tokens: int = 128
@@ -61,6 +63,7 @@ class GenerationConfig:
     adaptive: bool | None = None
     stop: tuple[str, ...] = ()
     chat: bool = False
+    draft_p_min: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or \
@@ -74,6 +77,10 @@ class GenerationConfig:
             raise InputError(f"drafter must be one of {', '.join(DRAFTER_CHOICES)}, got "
                              f"{self.drafter!r}")
         StopStrings(list(self.stop))  # validates
+        p = self.draft_p_min
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int | float) or
+                              not 0.0 <= p < 1.0):
+            raise InputError(f"draft_p_min must be a number in [0, 1), got {p!r}")
 
 
 @dataclass(frozen=True)
@@ -225,7 +232,7 @@ class Pair:
         config = config or GenerationConfig()
         return resolve_plan(self.manifest, has_draft=self.draft is not None,
                             drafter=config.drafter, k=config.num_draft_tokens,
-                            adaptive=config.adaptive)
+                            adaptive=config.adaptive, draft_p_min=config.draft_p_min)
 
     def new_output(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
                    text: bool = True) -> RowOutput:
@@ -240,7 +247,7 @@ class Pair:
         plan.check_prompt(len(ids))
         max_len = plan.cache_len(len(ids), config.max_new_tokens)
         stats.prompt_tokens = len(ids)
-        drafter = build_drafter(plan.drafter, self.draft, max_len)
+        drafter = build_drafter(plan.drafter, self.draft, max_len, plan.draft_p_min)
         cache = self.target.new_cache(1, max_len)
         sampler = RowSampler(config.sampling, self.target.spec.vocab_size)
         return decode(self.target, cache, drafter, ids, plan, sampler, output, stats)
@@ -323,9 +330,10 @@ class Pair:
         if len(configs) != len(prompts):
             raise InputError(f"{len(prompts)} prompts but {len(configs)} configs; give one "
                              "config per prompt or one for all")
-        shared = {(c.drafter, c.num_draft_tokens, c.adaptive) for c in configs}
+        shared = {(c.drafter, c.num_draft_tokens, c.adaptive, c.draft_p_min) for c in configs}
         if len(shared) > 1:
-            raise InputError("the rows of a batch share drafter, num_draft_tokens and adaptive; "
+            raise InputError("the rows of a batch share drafter, num_draft_tokens, adaptive and "
+                             "draft_p_min; "
                              "per row: sampling, seed, max_new_tokens, stop, chat")
         plan = self.plan(configs[0])
         start = time.perf_counter()

@@ -16,6 +16,7 @@ from .manifest import PairManifest
 
 DRAFTER_CHOICES = ("model", "ngram", "hybrid", "none")
 MODEL_DRAFTERS = ("model", "hybrid")
+DRAFT_P_MIN = 0.0  # the default confidence cut-off of model drafts (0: off)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class DecodePlan:
         adaptive: choose k each round from measured acceptance and costs.
         limit: the context in tokens (prompt + generated).
         cache_floor: the smallest cache the models can take (`min_cache_len`).
+        draft_p_min: the draft model stops proposing at a token it gives less than this
+            probability (0: never).
     """
 
     drafter: str
@@ -35,6 +38,7 @@ class DecodePlan:
     adaptive: bool
     limit: int
     cache_floor: int
+    draft_p_min: float = 0.0
 
     @property
     def uses_draft_model(self) -> bool:
@@ -53,7 +57,8 @@ class DecodePlan:
 
 
 def resolve_plan(manifest: PairManifest, *, has_draft: bool, drafter: str | None = None,
-                 k: int | None = None, adaptive: bool | None = None) -> DecodePlan:
+                 k: int | None = None, adaptive: bool | None = None,
+                 draft_p_min: float | None = None) -> DecodePlan:
     """The plan for a request; None fields take the pair's defaults.
 
     Args:
@@ -82,4 +87,5 @@ def resolve_plan(manifest: PairManifest, *, has_draft: bool, drafter: str | None
     return DecodePlan(drafter=name, k=steps,
                       adaptive=bool(d.adaptive if adaptive is None else adaptive) and steps > 0,
                       limit=min(m.max_seq_len for m in models),
-                      cache_floor=max(m.min_cache_len for m in models))
+                      cache_floor=max(m.min_cache_len for m in models),
+                      draft_p_min=DRAFT_P_MIN if draft_p_min is None else draft_p_min)

@@ -69,28 +69,31 @@ class RowSampler:
         return int(np.argmax(probs / (e if ids is None else e[ids])))
 
     def draft_token(self, logits: np.ndarray, position: int, ids: np.ndarray | None = None,
-                    ) -> tuple[int, np.ndarray | None]:
+                    ) -> tuple[int, np.ndarray | None, float]:
         """Pick the draft token for `position` from draft logits `[draft_vocab]`.
 
         `ids` maps a reduced draft head's logits to token ids (None: the full vocabulary).
-        Returns the token and, for random sampling, the full-vocabulary draft distribution it
-        was drawn from (None otherwise: greedy and seeded verification need no draft
-        probabilities).
+        Returns the token; for random sampling, the full-vocabulary draft distribution it was
+        drawn from (None otherwise: greedy and seeded verification need no draft
+        probabilities); and the draft's confidence, its largest probability (what a
+        confidence cut-off compares, as llama.cpp's `--draft-p-min`).
         """
         if self.params.greedy:
             pick = int(np.argmax(logits))
-            return (pick if ids is None else int(ids[pick])), None
+            z = np.asarray(logits, np.float64) - float(logits[pick])
+            return (pick if ids is None else int(ids[pick])), None, float(1.0 / np.exp(z).sum())
         p = warp_probs(logits, self.params)
+        confidence = float(p.max())
         if self.seeded:
             pick = self._race(p, position, ids)
-            return (pick if ids is None else int(ids[pick])), None
+            return (pick if ids is None else int(ids[pick])), None, confidence
         assert self.rng is not None
         pick = sample_token(p, self.rng)
         if ids is None:
-            return pick, p
+            return pick, p, confidence
         full = np.zeros(self.vocab_size)
         full[ids] = p
-        return int(ids[pick]), full
+        return int(ids[pick]), full, confidence
 
     def verify(self, drafts: np.ndarray, draft_probs: np.ndarray | None, logits: np.ndarray,
                position: int) -> np.ndarray:

@@ -36,11 +36,12 @@ class ContinuousBatch:
 
     def __init__(self, pair: Pair, *, capacity: int = 8, max_len: int = 2048,
                  drafter: str | None = None, num_draft_tokens: int | None = None,
-                 adaptive: bool | None = None, compact: bool = True) -> None:
+                 adaptive: bool | None = None, compact: bool = True,
+                 draft_p_min: float | None = None) -> None:
         self.pair = pair
         self.plan = pair.plan(GenerationConfig(drafter=drafter,
                                                num_draft_tokens=num_draft_tokens,
-                                               adaptive=adaptive))
+                                               adaptive=adaptive, draft_p_min=draft_p_min))
         self.max_len = min(max_len, self.plan.limit)
         self.decoder = BatchDecoder(pair.target, pair.draft, self.plan, capacity=capacity,
                                     max_len=self.max_len, compact=compact)

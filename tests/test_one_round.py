@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specedge.runtime.drafters import NgramDrafter
+from specedge.runtime.errors import InputError
 from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
 from specedge.runtime.policy import resolve_plan
 from specedge.runtime.rounds import RowOutput
@@ -254,3 +255,24 @@ def test_context_is_the_targets_when_no_draft_model_runs(tiny_pair: Pair) -> Non
     r = pair.generate(PROMPT, _cfg(drafter="model", max_new_tokens=40))
     assert r.stop_reason == "context"
     assert len(pair.encode_prompt(PROMPT)) + len(r.tokens) == 24
+
+
+# ------------------------------------------------- the draft-confidence cut-off (issue 16)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_confidence_cutoff_drafts_less_and_changes_nothing(concat_pair: Pair,
+                                                           sampling: SamplingParams) -> None:
+    prompts = ["The quick brown", "def add(a, b):"]
+    base = [concat_pair.generate(p, _cfg(sampling=sampling, drafter="none")) for p in prompts]
+    cfg = _cfg(sampling=sampling, drafter="model", num_draft_tokens=6)
+    full = [concat_pair.generate(p, cfg) for p in prompts]
+    cut_cfg = replace(cfg, draft_p_min=0.6)
+    cut = [concat_pair.generate(p, cut_cfg) for p in prompts]
+    batch = concat_pair.generate_batch(prompts, cut_cfg)
+    assert [_key(r) for r in cut] == [_key(r) for r in base] == [_key(r) for r in full]
+    assert [_key(r) for r in batch.results] == [_key(r) for r in base]
+    assert sum(r.stats.proposed for r in cut) < sum(r.stats.proposed for r in full)
+    assert sum(r.stats.proposed for r in batch.results) < sum(r.stats.proposed for r in full)
+    with pytest.raises(InputError, match="draft_p_min"):
+        GenerationConfig(draft_p_min=1.5)
