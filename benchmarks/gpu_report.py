@@ -1,0 +1,253 @@
+"""The report of `benchmarks/gpu_check.py`: the parts it wrote -> markdown, JSON and a summary.
+
+Reads WORK/parts/*.json (whatever the phases managed to write) and WORK/parts/phases.tsv (the
+shell's record of each phase: exit status and seconds), checks the bars of issue 13, and writes
+OUT/gpu_h200.md and OUT/gpu_h200.json (OUT/gpu_cpu_smoke.* for a CPU smoke run). Every speed-up
+on a random-weight pair that depends on acceptance is a prediction from the reference pair's
+measured acceptance and that pair's measured costs, and is labelled so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _load(parts: Path) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for f in sorted(parts.glob("*.json")):
+        try:
+            data[f.stem] = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            data[f.stem] = {"error": f"unreadable: {exc}"}
+    phases = []
+    tsv = parts / "phases.tsv"
+    if tsv.is_file():
+        for line in tsv.read_text().splitlines():
+            cells = line.split("\t")
+            if len(cells) == 4:
+                phases.append({"phase": cells[0], "rc": int(cells[1]),
+                               "seconds": float(cells[2]), "limit_s": float(cells[3])})
+    data["phases"] = phases
+    return data
+
+
+def _f(x: Any, spec: str = ".1f") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _best(settings: dict[str, Any], prefix: str, key: str = "decode_tokens_per_s",
+          spec_only: bool = True) -> tuple[str | None, float]:
+    best: tuple[str | None, float] = (None, float("nan"))
+    for name, row in settings.items():
+        if not name.startswith(prefix) or (spec_only and "target-only" in name):
+            continue
+        value = row.get(key, float("nan"))
+        if value == value and not (best[1] == best[1] and best[1] >= value):
+            best = (name, value)
+    return best
+
+
+def bars(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The bars of issue 13, each with what was measured and whether it passed (None: not
+    measured)."""
+    out: list[dict[str, Any]] = []
+    check = data.get("check", {})
+    n = check.get("prompts")
+    for name in ("K=3", "adaptive"):
+        eq = check.get("equal", {}).get(name)
+        out.append({"bar": f"greedy speculative ({name}) == target-only on CUDA, 20/20 prompts",
+                    "measured": f"{eq}/{n} prompts" if eq is not None else "not measured",
+                    "passed": None if eq is None else eq == n})
+    agree = check.get("cuda_vs_cpu", {}).get("cpu pair (fp32 target)", {}).get("top1_agreement")
+    out.append({"bar": "CUDA vs CPU top-1 agreement >= 99% (reference pair)",
+                "measured": _f(agree and 100 * agree, ".2f") + "%" if agree else "not measured",
+                "passed": None if agree is None else agree >= 0.99})
+    ref = data.get("bench-reference", {}).get("settings", {})
+    ours_t = ref.get("specedge target-only", {}).get("decode_tokens_per_s")
+    genai_t = ref.get("ort-genai target-only", {}).get("decode_tokens_per_s")
+    ratio = ours_t / genai_t if ours_t and genai_t else None
+    out.append({"bar": "specedge target-only >= 1.0x ORT GenAI CUDA target-only (reference)",
+                "measured": f"{_f(ratio, '.2f')}x ({_f(ours_t)} vs {_f(genai_t)} tok/s)",
+                "passed": None if ratio is None else ratio >= 1.0})
+    o_name, o_best = _best(ref, "specedge")
+    g_name, g_best = _best(ref, "ort-genai")
+    ratio = o_best / g_best if o_best == o_best and g_best == g_best and g_best else None
+    out.append({"bar": "specedge best speculative >= 1.1x ORT GenAI CUDA best speculative",
+                "measured": f"{_f(ratio, '.2f')}x ({o_name} {_f(o_best)} vs {g_name} "
+                            f"{_f(g_best)} tok/s)",
+                "passed": None if ratio is None else ratio >= 1.1})
+    hf = data.get("hf", {}).get("reference", {})
+    assisted = next((v["e2e_tokens_per_s"] for k, v in hf.items() if "assisted" in k), None)
+    o_name, o_e2e = _best(ref, "specedge", "e2e_tokens_per_s")
+    ratio = o_e2e / assisted if assisted and o_e2e == o_e2e else None
+    out.append({"bar": "specedge best speculative >= 3x transformers assisted generation "
+                       "(end to end)",
+                "measured": f"{_f(ratio, '.2f')}x ({_f(o_e2e)} vs {_f(assisted)} tok/s)",
+                "passed": None if ratio is None else ratio >= 3.0})
+    graphs = [k for k in ref if "cuda graphs" in k]
+    out.append({"bar": "CUDA graphs measured on and off; host time per round reported",
+                "measured": ", ".join(graphs) if graphs else "not measured",
+                "passed": None if not graphs else True})
+    return out
+
+
+def predicted(data: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """Speed-ups a random-weight pair would reach with the reference pair's acceptance:
+    tokens_per_round_ref(K) * verify(1) / (K * draft_step + verify(K + 1)), its own costs."""
+    ref = data.get("bench-reference", {}).get("settings", {})
+    costs = data.get(f"bench-{name}", {}).get("costs", {})
+    target = {int(k): v for k, v in costs.get("target_s", {}).items()}
+    draft = costs.get("draft_step_s")
+    rows = []
+    for label, row in ref.items():
+        if not label.startswith("specedge K=") or "," in label or not draft or 1 not in target:
+            continue
+        k = int(label.split("=")[1])
+        if k + 1 not in target:
+            continue
+        tpr = row.get("tokens_per_round", float("nan"))
+        rows.append({"k": k, "reference_tokens_per_round": tpr,
+                     "predicted_speedup": tpr * target[1] / (k * draft + target[k + 1])})
+    return rows
+
+
+def _settings_table(bench: dict[str, Any]) -> list[str]:
+    settings = bench.get("settings", {})
+    base = settings.get("specedge target-only", {}).get("decode_tokens_per_s")
+    lines = ["| setting | decode tok/s (median; each repetition) | end-to-end tok/s | "
+             "speed-up | acceptance | tokens/round | host ms/round |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in settings.items():
+        each = ", ".join(_f(x) for x in r.get("decode_tokens_per_s_all", []))
+        speed = r["decode_tokens_per_s"] / base if base else float("nan")
+        lines.append(f"| {name} | {_f(r['decode_tokens_per_s'])} ({each}) | "
+                     f"{_f(r['e2e_tokens_per_s'])} | {_f(speed, '.2f')}x | "
+                     f"{_f(r['acceptance'], '.2f')} | {_f(r['tokens_per_round'], '.2f')} | "
+                     f"{_f(r['host_ms_per_round'], '.3f')} |")
+    return lines
+
+
+def _costs_lines(bench: dict[str, Any]) -> list[str]:
+    c = bench.get("costs")
+    if not c:
+        return ["per-call costs: not measured"]
+    t = {int(k): v for k, v in c["target_s"].items()}
+    ratios = ", ".join(f"{k - 1}: {t[k] / t[1]:.2f}" for k in sorted(t) if k > 1)
+    draft = c.get("draft_step_s")
+    return [f"per-call costs at a past of {c['past_len']} tokens: target step "
+            f"{1000 * t[1]:.3f} ms; verify(K+1)/verify(1) for K = {ratios}; draft step "
+            + (f"{1000 * draft:.3f} ms (draft/target {draft / t[1]:.2f})" if draft else "–")]
+
+
+def markdown(data: dict[str, Any], smoke: bool) -> str:
+    env = data.get("env", {})
+    doctor = env.get("doctor", {})
+    gpus = doctor.get("gpus") or []
+    gpu = gpus[0]["name"] if gpus else "no GPU"
+    title = ("CPU smoke run of scripts/gpu_check.sh — NOT GPU figures" if smoke
+             else f"GPU check on {gpu}")
+    out = [f"# {title}", "",
+           f"Written by `scripts/gpu_check.sh{' --cpu-smoke' if smoke else ''}` on "
+           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Raw data: the JSON file of "
+           "the same name.", ""]
+    if smoke:
+        out += ["This run used the CPU provider, the tiny fixture pair and a tiny random-weight "
+                "model: it shows that the check's code runs end to end, nothing about a GPU.", ""]
+    out += ["## Environment", "",
+            f"- GPU: {gpu}" + (f", compute capability {gpus[0]['compute_capability']}, "
+                               f"{gpus[0]['memory_mib']} MiB, driver {gpus[0]['driver']}"
+                               if gpus else ""),
+            f"- onnxruntime {doctor.get('onnxruntime', '?')} "
+            f"({', '.join(doctor.get('onnxruntime_packages', []))}), providers "
+            f"{', '.join(doctor.get('available_providers', []))}; onnxruntime-genai "
+            f"{env.get('onnxruntime_genai', '?')}; torch {env.get('torch', '?')}; transformers "
+            f"{env.get('transformers', '?')}; Python {env.get('python', '?')}",
+            "- doctor self-tests: " + ", ".join(f"{t['provider']} {t['status']}"
+                                                for t in doctor.get("self_tests", []))]
+    bw = env.get("copy_bandwidth_bytes_per_s")
+    if bw:
+        out.append(f"- device copy bandwidth measured: {bw / 1e12:.2f} TB/s (read + write)")
+    out += ["", "## Phases", "", "| phase | exit | seconds | limit |", "|---|---|---|---|"]
+    out += [f"| {p['phase']} | {p['rc']}{' (timed out)' if p['rc'] in (124, 137) else ''} | "
+            f"{p['seconds']:.0f} | {p['limit_s']:.0f} |" for p in data.get("phases", [])]
+    build = data.get("build", {})
+    out += ["", "## Pairs built", "", "| pair | ok | seconds | last log line |",
+            "|---|---|---|---|"]
+    for name, b in build.get("pairs", {}).items():
+        tail = (b.get("log_tail") or [b.get("note") or b.get("error") or ""])[-1]
+        out.append(f"| {name} | {b.get('ok')} | {_f(b.get('seconds'), '.0f')} | "
+                   f"{str(tail)[:160]} |")
+    out += [f"- {n}" for n in build.get("notes", [])]
+    out += ["", "## Bars (issue 13)", "", "| bar | measured | passed |", "|---|---|---|"]
+    out += [f"| {b['bar']} | {b['measured']} | "
+            f"{'not measured' if b['passed'] is None else b['passed']} |" for b in bars(data)]
+    check = data.get("check", {})
+    if check:
+        out += ["", "## Correctness (reference pair)", ""]
+        if "error" in check:
+            out.append(f"not run: {check['error']}")
+        for row in check.get("rows", []):
+            bad = {k: v for k, v in row.items() if k.endswith(("difference", "margin"))}
+            if bad:
+                out.append(f"- prompt {row['prompt']}: {bad}")
+        for label, a in check.get("cuda_vs_cpu", {}).items():
+            out.append(f"- top-1 agreement with the {label}: "
+                       + (f"{100 * a['top1_agreement']:.2f}% of {a['positions']} positions, "
+                          f"max |Δlogit| {a['max_abs_logit_diff']:.3g}" if "top1_agreement" in a
+                          else a.get("error", "?")))
+    for key in sorted(k for k in data if k.startswith("bench-")):
+        bench, name = data[key], key[len("bench-"):]
+        out += ["", f"## {name}" + ("" if bench.get("real_weights", True)
+                                     else " (random weights: acceptance means nothing)"), ""]
+        if "error" in bench:
+            out.append(f"not measured: {bench['error']}")
+            continue
+        out += _settings_table(bench) + [""] + _costs_lines(bench)
+        out += [f"- {n}" for n in bench.get("notes", [])]
+        r = bench.get("roofline")
+        if r:
+            base = bench.get("settings", {})
+            fr = {k: v["decode_tokens_per_s"] / r["roofline_tokens_per_s"] for k, v in
+                  base.items() if "target-only" in k}
+            out.append(f"- roofline ({r['precision']} target): {r['bytes_per_token'] / 1e6:.1f} "
+                       f"MB read per token (weights {r['weights_bytes'] / 1e6:.1f} MB less the "
+                       f"embedding table {r['embedding_bytes'] / 1e6:.1f} MB, plus KV "
+                       f"{r['kv_bytes'] / 1e6:.2f} MB at {r['context']:.0f} tokens) / "
+                       f"{r['bandwidth_bytes_per_s'] / 1e12:.1f} TB/s = "
+                       f"{r['roofline_tokens_per_s']:.0f} tok/s; target-only reaches "
+                       + ", ".join(f"{k} {100 * v:.1f}%" for k, v in fr.items()))
+        if not bench.get("real_weights", True):
+            pred = predicted(data, name)
+            if pred:
+                out.append("- PREDICTED speed-ups with the reference pair's acceptance and this "
+                           "pair's measured costs: " + ", ".join(
+                               f"K={p['k']} {p['predicted_speedup']:.2f}x" for p in pred))
+    hf = data.get("hf", {})
+    if hf:
+        out += ["", f"## transformers ({hf.get('device')}, {hf.get('dtype')})", ""]
+        for name, runs in hf.items():
+            if isinstance(runs, dict) and name not in ("device", "dtype"):
+                out.append(f"- {name}: " + ("; ".join(
+                    f"{k} {_f(v['e2e_tokens_per_s'])} tok/s end to end" for k, v in runs.items()
+                    if isinstance(v, dict)) or str(runs.get("error"))))
+    return "\n".join(out) + "\n"
+
+
+def write(parts: Path, out_dir: Path, smoke: bool) -> tuple[Path, Path]:
+    """Write the markdown and JSON reports; print the bars."""
+    data = _load(parts)
+    stem = "gpu_cpu_smoke" if smoke else "gpu_h200"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
+    md.write_text(markdown(data, smoke))
+    js.write_text(json.dumps({"smoke": smoke, "bars": bars(data), **data}, indent=2,
+                             default=str) + "\n")
+    print(f"report: {md} and {js}")
+    for b in bars(data):
+        state = "NOT MEASURED" if b["passed"] is None else "PASS" if b["passed"] else "FAIL"
+        print(f"  [{state}] {b['bar']}: {b['measured']}")
+    return md, js

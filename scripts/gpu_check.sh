@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU check of issue 13: build realistic pairs on the GPU machine, check greedy speculative ==
+# target-only and CUDA vs CPU agreement, measure specedge against ORT GenAI CUDA and transformers,
+# and write OUT/gpu_h200.md + OUT/gpu_h200.json (OUT: $OUT when set, else docs/results).
+#
+# On the GPU machine, after the staged wheels have arrived (../shared/gpu/stage.sh --with-smollm2,
+# then .gpu/bin/receive.sh; see DEVELOPERS.md):
+#     bash scripts/gpu_check.sh                 # sources .gpu/bin/env.sh itself when present
+# On any machine, the same Python code on the CPU with the tiny fixture pairs (< 1 minute):
+#     SPECEDGE_FIXTURES=$PWD/.cache/fixtures bash scripts/gpu_check.sh --cpu-smoke
+#
+# Each phase runs in its own process under `timeout`, inside one overall budget
+# (GPU_CHECK_BUDGET_S, default 450 s, so the script ends in under 8 minutes); a phase that fails
+# or hangs loses only its own results, and the report is always written from what the others left.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=gpu
+[ "${1:-}" = "--cpu-smoke" ] && MODE=cpu-smoke
+BUDGET=${GPU_CHECK_BUDGET_S:-$([ $MODE = gpu ] && echo 450 || echo 120)}
+START=$(date +%s)
+DEADLINE=$((START + BUDGET))
+OUT_DIR=${OUT:-docs/results}
+WORK=${GPU_CHECK_WORK:-/tmp/specedge-gpu}
+[ $MODE = cpu-smoke ] && WORK=${GPU_CHECK_WORK:-/tmp/specedge-gpu-smoke}
+mkdir -p "$WORK/parts" "$OUT_DIR"
+rm -f "$WORK"/parts/*.json "$WORK/parts/phases.tsv"   # pairs and HF folders are kept for reruns
+
+if [ $MODE = gpu ]; then
+  # shellcheck disable=SC1091
+  [ -f .gpu/bin/env.sh ] && . .gpu/bin/env.sh
+  PY=${PYTHON:-python3}
+  # the project without installing it (env.sh does this too once receive.sh has run)
+  if ! "$PY" -c "import specedge.runtime.pair" 2>/dev/null; then
+    for d in runtime exporter calibration; do
+      [ -e "specedge/$d" ] || ln -s "../$d" "specedge/$d"
+    done
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  SMOKE=()
+else
+  PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+  export SPECEDGE_FIXTURES=${SPECEDGE_FIXTURES:-$PWD/.cache/fixtures}
+  [ -f "$SPECEDGE_FIXTURES/tiny-llama/specedge.json" ] \
+    || "$PY" scripts/make_fixtures.py "$SPECEDGE_FIXTURES" >/dev/null
+  SMOKE=(--cpu-smoke)
+fi
+export TQDM_DISABLE=1 PYTHONWARNINGS=ignore
+
+# run_phase NAME CAP [ARGS...]: at most CAP seconds, never past the deadline less RESERVE
+RESERVE=20
+run_phase() {
+  local name=$1 cap=$2; shift 2
+  local now left limit t0 rc
+  now=$(date +%s); left=$((DEADLINE - now - RESERVE)); limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 5 ]; then
+    printf '%s\t%s\t%s\t%s\n' "$name" 125 0 0 >> "$WORK/parts/phases.tsv"
+    echo "== $name: skipped (no time left)"; return
+  fi
+  echo "== $name (up to ${limit} s)"
+  t0=$(date +%s)
+  timeout -k 5 "$limit" "$PY" benchmarks/gpu_check.py "$name" --work "$WORK" --out "$OUT_DIR" \
+    --deadline $((t0 + limit)) "${SMOKE[@]}" "$@"
+  rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" $(($(date +%s) - t0)) "$limit" >> "$WORK/parts/phases.tsv"
+  [ $rc -ne 0 ] && echo "== $name exited $rc$([ $rc -ge 124 ] && echo ' (timed out)')"
+}
+
+if [ $MODE = gpu ]; then
+  run_phase env 40
+  run_phase build 200     # exports still running at the end go on in the background
+  run_phase check 60
+  run_phase bench 150     # waits (bounded) for pairs still exporting
+  run_phase hf 60
+else
+  run_phase env 20
+  run_phase build 60
+  run_phase check 20
+  run_phase bench 30
+  run_phase hf 20
+fi
+# the report always runs, even past the budget
+timeout -k 5 30 "$PY" benchmarks/gpu_check.py report --work "$WORK" --out "$OUT_DIR" "${SMOKE[@]}"
+echo "gpu_check ($MODE) took $(($(date +%s) - START)) s; logs in $WORK/logs"
