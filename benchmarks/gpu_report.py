@@ -214,8 +214,8 @@ def markdown(data: dict[str, Any], smoke: bool) -> str:
             fr = {k: v["decode_tokens_per_s"] / r["roofline_tokens_per_s"] for k, v in
                   base.items() if "target-only" in k}
             out.append(f"- roofline ({r['precision']} target): {r['bytes_per_token'] / 1e6:.1f} "
-                       f"MB read per token (weights {r['weights_bytes'] / 1e6:.1f} MB less the "
-                       f"embedding table {r['embedding_bytes'] / 1e6:.1f} MB, plus KV "
+                       f"MB read per token (weights {r['weights_bytes'] / 1e6:.1f} MB less an "
+                       f"untied embedding table {r['embedding_bytes'] / 1e6:.1f} MB, plus KV "
                        f"{r['kv_bytes'] / 1e6:.2f} MB at {r['context']:.0f} tokens) / "
                        f"{r['bandwidth_bytes_per_s'] / 1e12:.1f} TB/s = "
                        f"{r['roofline_tokens_per_s']:.0f} tok/s; target-only reaches "
