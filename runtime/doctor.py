@@ -508,11 +508,15 @@ def _ort_packages() -> tuple[str, ...]:
     return tuple(sorted(set(found)))
 
 
-def _cuda_major(ort_cuda: str | None) -> int:
+def _cuda_major(ort_cuda: str | None, jetson: JetsonInfo | None = None) -> int:
+    """The CUDA major the providers need: the build's, else JetPack's, else PyPI's (13)."""
     try:
         return int(str(ort_cuda).split(".")[0])
     except ValueError:
-        return 13  # onnxruntime-gpu on PyPI is built for CUDA 13 since 1.24
+        pass
+    if jetson and jetson.jetpack and jetson.jetpack[0] in "56":
+        return {"5": 11, "6": 12}[jetson.jetpack[0]]
+    return 13  # onnxruntime-gpu on PyPI is built for CUDA 13
 
 
 def diagnose(requested: Sequence[str] = ("cpu",), *, self_test: bool = True,
@@ -530,8 +534,8 @@ def diagnose(requested: Sequence[str] = ("cpu",), *, self_test: bool = True,
 
     available = tuple(ort.get_available_providers())
     ort_cuda = getattr(ort, "cuda_version", "") or None
-    major = _cuda_major(ort_cuda)
     jetson = detect_jetson(jetson_root)
+    major = _cuda_major(ort_cuda, jetson)
     gpus, note = gpus_from_nvidia_smi()
     lib_gpus, driver_api = gpus_from_libcuda()
     if not gpus and lib_gpus:

@@ -208,3 +208,20 @@ def test_cuda_self_test_passes_on_a_gpu() -> None:
     report = doc.diagnose(("cpu", "cuda"))
     assert report.gpus, report.gpu_note
     assert report.ok, report.failure_line()
+
+
+def test_cuda_major_from_the_build_then_jetpack() -> None:
+    jp6 = doc.JetsonInfo("Orin", "36.4.3", "6.2", "")
+    assert doc._cuda_major("13.0") == 13 and doc._cuda_major("12.6", jp6) == 12
+    assert doc._cuda_major(None, jp6) == 12 and doc._cuda_major(None) == 13
+
+
+def test_diagnose_on_a_fake_jetson_gives_the_jetson_wheel(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "nv_tegra_release").write_text(TEGRA)
+    report = doc.diagnose(("cpu",), self_test=False, jetson_root=tmp_path)
+    assert report.jetson is not None and report.jetson.l4t == "36.4.3"
+    cuda = next(t for t in report.self_tests if t.provider == "cuda")
+    if not cuda.in_build:  # a CPU onnxruntime: the fix is the Jetson AI Lab wheel, not PyPI's
+        assert "pypi.jetson-ai-lab.io" in (cuda.fix or "")
+    assert any("libcudart.so.12" == lib.soname for lib in report.libraries) or cuda.in_build
