@@ -89,7 +89,7 @@ class SelfTest:
 
     provider: str  # "cpu" | "cuda" | "tensorrt"
     in_build: bool
-    status: str  # "passed" | "failed" | "not in build"
+    status: str  # "passed" | "failed" | "not in build" | "not tested"
     ran_on: tuple[str, ...] = ()  # the providers the session really used
     seconds: float | None = None
     max_abs_diff: float | None = None
@@ -236,18 +236,17 @@ def required_libraries(cuda_major: int) -> list[tuple[str, str, str]]:
     ]
 
 
-def library_fix(component: str, soname: str, cuda_major: int, jetson: bool) -> str:
+def library_fix(component: str, cuda_major: int, jetson: bool) -> str:
     """The line that installs a missing library."""
     if component == "CUDA driver":
         return ("the driver comes with JetPack (sudo apt install nvidia-jetpack)" if jetson
                 else "install the NVIDIA driver (>= 580 for CUDA 13) from your distribution")
     if component == "NVML":
         return "comes with the NVIDIA driver (only used to describe the GPU)"
-    if jetson:
-        return {"cuDNN": "sudo apt install nvidia-jetpack (or libcudnn9-cuda-12)",
-                "TensorRT": "sudo apt install nvidia-jetpack (or tensorrt)"}.get(
-            component.split()[0] if component.startswith("TensorRT") else component,
-            "sudo apt install nvidia-jetpack (or cuda-toolkit)")
+    if jetson:  # CUDA, cuDNN and TensorRT are JetPack's, not pip's
+        extra = ("libcudnn9-cuda-12" if component == "cuDNN" else "tensorrt"
+                 if component.startswith("TensorRT") else "cuda-toolkit")
+        return f"sudo apt install nvidia-jetpack (or {extra})"
     if component.startswith("TensorRT"):
         return f"pip install tensorrt-cu{cuda_major}-libs"
     if component == "cuDNN":
@@ -265,7 +264,7 @@ def library_statuses(cuda_major: int, locate: Callable[[str], tuple[str, str | N
         status, path = locate(soname)
         fix = None
         if status == "missing":
-            fix = library_fix(component, soname, cuda_major, jetson)
+            fix = library_fix(component, cuda_major, jetson)
         elif status == "pip only":
             fix = (f"export LD_LIBRARY_PATH={path}:$LD_LIBRARY_PATH (or call "
                    "onnxruntime.preload_dlls() before loading a pair)")
@@ -525,8 +524,7 @@ def diagnose(requested: Sequence[str] = ("cpu",), *, self_test: bool = True,
 
     Args:
         requested: providers that must work (they decide `report.ok`); "cpu" is always tested.
-        self_test: run the built-in graph on each provider (else each is reported "failed"
-            with the message "not tested").
+        self_test: run the built-in graph on each provider (else each is "not tested").
         jetson_root: where `/etc/nv_tegra_release` is looked for (tests pass a fake tree).
         timeout_s: limit of each provider's self-test (default: `SELFTEST_TIMEOUT_S`).
     """
@@ -569,7 +567,7 @@ def diagnose(requested: Sequence[str] = ("cpu",), *, self_test: bool = True,
                                   fix=provider_fix(provider, False, libraries, jetson, major)))
             continue
         if not self_test:
-            tests.append(SelfTest(provider, True, "failed", message="not tested"))
+            tests.append(SelfTest(provider, True, "not tested"))
             continue
         r = run_self_test_isolated(provider, timeout_s)
         tests.append(SelfTest(provider, True, "passed" if r["passed"] else "failed",
