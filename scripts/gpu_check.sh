@@ -44,7 +44,7 @@ else
     || "$PY" scripts/make_fixtures.py "$SPECEDGE_FIXTURES" >/dev/null
   SMOKE=(--cpu-smoke)
 fi
-export TQDM_DISABLE=1 PYTHONWARNINGS=ignore
+export TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONWARNINGS=ignore
 
 # run_phase NAME CAP [ARGS...]: at most CAP seconds, never past the deadline less RESERVE
 RESERVE=20
