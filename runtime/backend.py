@@ -8,6 +8,12 @@ model writes the new keys/values in place, nothing is copied, and rollback is se
 length (the attention mask says how many cached positions are valid). On CUDA the buffers live on
 the device. The `concat` form (standard ops, `present = concat(past, new)`) copies the valid part
 of the cache each call; it exists for graphs the GQA builder cannot produce.
+
+The model files are untrusted: before ONNX Runtime opens a model, the external-data files the
+ONNX protobuf names are read from it (`external_data_files`) and must be files the manifest lists
+(hence confined and hashed); the declared shapes (KV heads, head size, logits width, a reduced
+vocabulary's size) must match what the graph holds, and a KV cache is allocated only if it fits
+the memory available.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +29,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from .errors import InputError, ModelError
-from .manifest import ModelSpec
+from .errors import InputError, ManifestError, ModelError
+from .manifest import MANIFEST_NAME, ModelSpec, confine
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -31,7 +38,24 @@ PROVIDERS = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+THREADS_PER_CORE = 4  # more intra-op threads than this per core only adds contention
 log = logging.getLogger(__name__)
+
+# ONNX Runtime's own log: 0 verbose .. 3 error, 4 fatal. Its messages duplicate the one-line
+# errors specedge raises, so they are off unless asked for (`specedge -v`, `set_log_severity`).
+_log_severity = 4
+
+
+def set_log_severity(severity: int) -> None:
+    """ONNX Runtime's log level for sessions created from now on (0 verbose .. 4 fatal only)."""
+    global _log_severity
+    _log_severity = max(0, min(4, int(severity)))
+    ort.set_default_logger_severity(_log_severity)
+
+
+def max_threads() -> int:
+    """The most intra-op threads a session may have: a small multiple of the usable cores."""
+    return THREADS_PER_CORE * physical_cores()
 
 
 @dataclass(frozen=True)
@@ -67,6 +91,13 @@ class SessionConfig:
             )
         if self.intra_op_threads < 0:
             raise InputError(f"threads must be >= 0, got {self.intra_op_threads}")
+        if self.intra_op_threads > max_threads():
+            # From a manifest written on a bigger machine, or from an API caller: thousands of
+            # threads on a few cores only cost memory and time.
+            log.warning("%d intra-op threads asked for, more than %d x the %d cores this "
+                        "process may use: using %d", self.intra_op_threads, THREADS_PER_CORE,
+                        physical_cores(), max_threads())
+            object.__setattr__(self, "intra_op_threads", max_threads())
         if self.graph_optimization not in ("all", "extended", "basic", "disable"):
             raise InputError(f"unknown graph optimization level {self.graph_optimization!r}")
 
@@ -98,6 +129,7 @@ def _ensure_global_pool(threads: int) -> int:
 
 
 def _session_options(config: SessionConfig) -> ort.SessionOptions:
+    ort.set_default_logger_severity(_log_severity)
     so = ort.SessionOptions()
     if config.shared_pool or _global_pool_threads is not None:
         # Once the process-wide pool exists ONNX Runtime refuses per-session pools, so every
@@ -120,7 +152,7 @@ def _session_options(config: SessionConfig) -> ort.SessionOptions:
     }[config.graph_optimization]
     so.add_session_config_entry("session.intra_op.allow_spinning",
                                 "1" if config.allow_spinning else "0")
-    so.log_severity_level = 3
+    so.log_severity_level = _log_severity
     return so
 
 
@@ -145,6 +177,115 @@ def _providers(config: SessionConfig) -> list[Any]:
     return [("TensorrtExecutionProvider", trt_opts), cuda, "CPUExecutionProvider"]
 
 
+
+# ----------------------------------------------------------------------------- model files
+
+# Where TensorProtos can sit in an ONNX ModelProto (field numbers from onnx.proto3); a tensor's
+# external data is its field 13 (key/value entries, "location" among them).
+_ONNX_CHILDREN: dict[str, dict[int, str]] = {
+    "model": {7: "graph", 20: "training", 25: "function"},
+    "training": {1: "graph", 2: "graph"},
+    "graph": {1: "node", 5: "tensor", 15: "sparse"},
+    "node": {5: "attribute"},
+    "function": {7: "node", 11: "attribute"},
+    "attribute": {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse",
+                  23: "sparse"},
+    "sparse": {1: "tensor", 2: "tensor"},
+    "tensor": {13: "entry"},
+    "entry": {},
+}
+
+
+def _varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise ValueError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def external_data_files(path: Path) -> set[str]:
+    """The external-data locations named by the tensors of an ONNX file (as written in it).
+
+    A small protobuf walk over the messages that can hold tensors (graphs, nodes, attributes,
+    functions, sparse tensors, subgraphs); tensor payloads are skipped, never read.
+
+    Raises:
+        ValueError: the file is not a well-formed protobuf.
+    """
+    import mmap
+
+    locations: set[str] = set()
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            raise ValueError("empty file")
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            stack: list[tuple[str, int, int]] = [("model", 0, size)]
+            while stack:
+                kind, pos, end = stack.pop()
+                children = _ONNX_CHILDREN[kind]
+                key = value = None
+                while pos < end:
+                    tag, pos = _varint(buf, pos, end)
+                    field, wire = tag >> 3, tag & 7
+                    if wire == 0:
+                        _, pos = _varint(buf, pos, end)
+                    elif wire == 1:
+                        pos += 8
+                    elif wire == 5:
+                        pos += 4
+                    elif wire == 2:
+                        n, pos = _varint(buf, pos, end)
+                        if pos + n > end:
+                            raise ValueError("a field runs past its message")
+                        if kind == "entry" and field in (1, 2):
+                            text = bytes(buf[pos:pos + n]).decode("utf-8")
+                            key, value = (text, value) if field == 1 else (key, text)
+                        elif field in children:
+                            stack.append((children[field], pos, pos + n))
+                        pos += n
+                    else:
+                        raise ValueError(f"unsupported wire type {wire}")
+                if pos != end:
+                    raise ValueError("a message runs past its end")
+                if kind == "entry" and key == "location" and value is not None:
+                    locations.add(value)
+    return locations
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes this process can still allocate on `device` (None: unknown, e.g. a GPU)."""
+    if device != "cpu":
+        return None
+    avail: int | None = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        try:
+            used = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf(
+                "SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            used = 0
+        avail = min(avail if avail is not None else limit, max(0, limit - used))
+    return avail
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 26 else f"{n / (1 << 20):.1f} MiB"
+
+
 class KVCache:
     """Preallocated KV buffers of one model for one generation, with a valid length per row.
 
@@ -160,14 +301,31 @@ class KVCache:
         self.lengths = np.zeros(batch, dtype=np.int64)
         dtype = _NP_DTYPES[spec.kv.dtype]
         shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
+        need = 2 * spec.num_layers * math.prod(shape) * np.dtype(dtype).itemsize
+        avail = available_memory(model.config.device)
+        if avail is not None and need > avail:
+            raise InputError(
+                f"the {model.name} model's KV cache needs {_gib(need)} ({batch} row(s) x "
+                f"{max_len} tokens) but {_gib(avail)} of memory is available; ask for fewer "
+                "new tokens (or rows), or free memory"
+            )
         self.host: list[np.ndarray] = []
         self.values: list[ort.OrtValue] = []
-        for _ in range(2 * spec.num_layers):
-            if spec.graph == "gqa-shared":
-                self.values.append(ort.OrtValue.ortvalue_from_shape_and_type(
-                    shape, dtype, model.config.device, model.config.device_id))
-            else:
-                self.host.append(np.zeros(shape, dtype=dtype))
+        try:
+            for _ in range(2 * spec.num_layers):
+                if spec.graph == "gqa-shared":
+                    self.values.append(ort.OrtValue.ortvalue_from_shape_and_type(
+                        shape, dtype, model.config.device, model.config.device_id))
+                else:
+                    self.host.append(np.zeros(shape, dtype=dtype))
+        except Exception as exc:  # MemoryError, onnxruntime's allocation failures
+            self.host, self.values = [], []
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ModelError(
+                f"the {model.name} model: could not allocate its KV cache of {_gib(need)} "
+                f"({batch} row(s) x {max_len} tokens: {first}); ask for fewer new tokens (or "
+                "rows), or free memory"
+            ) from None
         self._binding: Any = None
         self._logits: dict[tuple[int, int, int], np.ndarray] = {}
 
@@ -190,6 +348,7 @@ class OrtModel:
     def __init__(self, root: Path, spec: ModelSpec, name: str, config: SessionConfig) -> None:
         self.spec, self.name, self.config = spec, name, config
         path = root / spec.path
+        self._check_external_data(root)
         try:
             self.session = ort.InferenceSession(str(path), _session_options(config),
                                                 providers=_providers(config))
@@ -213,15 +372,51 @@ class OrtModel:
         ]
         self.calls = 0
 
+    def _check_external_data(self, root: Path) -> None:
+        """Refuse a model whose tensors read external data from a file the manifest does not
+        list (only listed files are confined and hashed)."""
+        path = root / self.spec.path
+        try:
+            locations = external_data_files(path)
+        except (ValueError, UnicodeDecodeError, OSError) as exc:
+            raise ModelError(
+                f"{path}: the {self.name} model is not a valid ONNX file ({exc}); the file may "
+                "be truncated or corrupt: re-export the pair"
+            ) from None
+        folder = os.path.dirname(self.spec.path)
+        manifest = root / MANIFEST_NAME
+        for location in sorted(locations):
+            rel = os.path.normpath(os.path.join(folder, location)).replace(os.sep, "/")
+            key = f"models.{self.name}.files"
+            if os.path.isabs(location) or rel.startswith("../") or rel not in self.spec.files:
+                raise ManifestError(
+                    f"{path}: the {self.name} model reads external data from {location!r}, "
+                    f"which {manifest} does not list under {key}; the runtime opens only "
+                    "listed, hashed files: re-export the pair"
+                )
+            confine(root, rel, file=manifest, key=f"{key}.{rel}")
+
     def _load_vocab_ids(self, root: Path) -> np.ndarray | None:
         """Token ids the logits cover, for a reduced-vocabulary draft head (None: all)."""
         if self.spec.vocab_ids is None:
             return None
         path = root / self.spec.vocab_ids
         try:
+            with open(path, "rb") as fh:  # the header first: the declared shape must fit
+                version = np.lib.format.read_magic(fh)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read_header(fh)
+                offset = fh.tell()
+            count = shape[0] if len(shape) == 1 else -1
+            if not 0 < count <= self.spec.vocab_size or dtype.kind not in "iu" or \
+                    offset + count * dtype.itemsize != path.stat().st_size:
+                raise ValueError(f"its header declares shape {shape} of {dtype}, not up to "
+                                 f"{self.spec.vocab_size} token ids filling the file")
             ids = np.load(path, allow_pickle=False)  # never unpickle
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"{path}: unreadable vocabulary subset ({exc}); re-export") from None
+        except (OSError, ValueError, TypeError, MemoryError) as exc:
+            raise ModelError(f"{path}: unreadable vocabulary subset ({str(exc)[:200]}); "
+                             "re-export") from None
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or \
                 ids.min() < 0 or ids.max() >= self.spec.vocab_size or \
                 (np.diff(ids) <= 0).any():
@@ -231,28 +426,63 @@ class OrtModel:
 
     def _check_io(self) -> None:
         spec = self.spec
-        inputs = {i.name for i in self.session.get_inputs()}
-        outputs = {o.name for o in self.session.get_outputs()}
-        needed_in = [spec.input_ids, spec.attention_mask, spec.kv.past_key.format(i=0),
-                     spec.kv.past_value.format(i=spec.num_layers - 1)]
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        pasts = [p.format(i=i) for i in range(spec.num_layers)
+                 for p in (spec.kv.past_key, spec.kv.past_value)]
+        presents = [p.format(i=i) for i in range(spec.num_layers)
+                    for p in (spec.kv.present_key, spec.kv.present_value)]
+        needed_in = [spec.input_ids, spec.attention_mask, *pasts]
         if spec.position_ids:
             needed_in.append(spec.position_ids)
-        needed_out = [spec.logits, spec.kv.present_key.format(i=spec.num_layers - 1)]
+        needed_out = [spec.logits, *presents]
         missing = [n for n in needed_in if n not in inputs] + [
             n for n in needed_out if n not in outputs]
         if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more"
+                                              if len(missing) > 4 else "")
             raise ModelError(
                 f"{self.spec.path}: the {self.name} model lacks the tensors the manifest names "
-                f"({', '.join(missing)}); re-export the pair"
+                f"({shown}); re-export the pair"
             )
-        logits = next(o for o in self.session.get_outputs() if o.name == spec.logits)
-        vocab = logits.shape[-1]
+        for name in pasts:  # [batch, kv_heads, past, head_dim]: the static dims must agree
+            shape = inputs[name].shape
+            if len(shape) != 4:
+                continue
+            for dim, key, want in ((1, "num_kv_heads", spec.num_kv_heads),
+                                   (3, "head_dim", spec.head_dim)):
+                if isinstance(shape[dim], int) and shape[dim] != want:
+                    raise ModelError(
+                        f"{self.spec.path}: the {self.name} model's {name} has {shape[dim]} "
+                        f"at dimension {dim} but the manifest's {key} is {want}; re-export the "
+                        "pair"
+                    )
+        vocab = outputs[spec.logits].shape[-1]
+        if not isinstance(vocab, int):
+            vocab = self._probe_logits_width()
         expected = spec.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
-        if isinstance(vocab, int) and vocab != expected:
+        if vocab != expected:
             raise ModelError(
                 f"{self.spec.path}: the {self.name} model has {vocab} logits but the "
                 f"manifest says {expected}; re-export the pair"
             )
+
+    def _probe_logits_width(self) -> int:
+        """The logits width of a graph that leaves it symbolic: one 1-token call."""
+        cache = self.new_cache(1, 2)
+        tokens = np.zeros((1, 1), dtype=np.int64)
+        mask = np.ones((1, 1), dtype=np.int64)
+        try:
+            run = self._run_shared if self.spec.graph == "gqa-shared" else self._run_concat
+            width = int(run(cache, tokens, mask).shape[-1])
+        except Exception as exc:  # onnxruntime raises its own exception types
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise ModelError(
+                f"{self.spec.path}: the {self.name} model failed a 1-token run at load "
+                f"({first}); its logits may not have the manifest's width "
+                f"{self.logits_size}: re-export the pair"
+            ) from None
+        return width
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         """A cache for `batch` rows of up to `max_len` tokens (at least `min_cache_len`)."""

@@ -26,3 +26,7 @@ class ModelError(SpecEdgeError):
 
 class ExportError(SpecEdgeError):
     """An export could not be done, or its validation failed."""
+
+
+class OutputError(SpecEdgeError):
+    """An output file or folder cannot be written (full or read-only disk, permissions)."""

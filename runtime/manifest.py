@@ -10,16 +10,19 @@ The exporter imports this module to write the file, so the schema lives in one p
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import math
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ManifestError
+from .errors import ManifestError, OutputError
 
 FORMAT = "specedge.pair"
 FORMAT_VERSION = 1
@@ -29,6 +32,11 @@ GRAPH_FORMS = ("gqa-shared", "concat")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 KV_DTYPES = ("float32", "float16")
 DRAFTERS = ("model", "ngram", "hybrid")
+
+MAX_MANIFEST_BYTES = 16 << 20  # a real manifest is a few KiB; refuse to read a huge one
+MAX_TOKENIZER_FILE_BYTES = 256 << 20  # tokenizer.json of a 256k vocabulary is ~20 MiB
+MAX_DEPTH = 32  # nesting of the free-form objects (validation, source, provenance)
+MAX_NODES = 200_000  # values in one free-form object
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +147,7 @@ class _Reader:
 
     def fail(self, key: str, expected: str, found: Any) -> None:
         raise ManifestError(
-            f"{self.file}: key '{key}' must be {expected}, found {found!r}; "
+            f"{self.file}: key '{key}' must be {expected}, found {_short(found)}; "
             "re-export the pair with `specedge export`"
         )
 
@@ -185,8 +193,36 @@ class _Reader:
         return _Reader(self.file, self.get(name, dict), self.key(name))
 
 
+def _short(value: Any, limit: int = 200) -> str:
+    """repr() for an error message: bounded in length, safe for any nesting."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return "<a deeply nested value>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
+
+
+def _free_form(r: _Reader, name: str) -> dict[str, Any]:
+    """A free-form object (validation figures, provenance): any JSON, but bounded in depth and
+    size, so that copying or serializing it later cannot blow the stack or the memory."""
+    value = r.get(name, dict, required=False, default={})
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    nodes = 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_DEPTH or nodes > MAX_NODES:
+            r.fail(r.key(name), f"an object nested at most {MAX_DEPTH} deep with at most "
+                   f"{MAX_NODES} values", f"<{'deeper' if depth > MAX_DEPTH else 'larger'}>")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return dict(value)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -201,6 +237,12 @@ def confine(root: Path, relative: str, *, file: Path, key: str) -> Path:
     Raises:
         ManifestError: for absolute paths, `..` components, or symlinks pointing outside.
     """
+    try:
+        relative.encode("utf-8")  # a lone surrogate cannot name a file
+    except UnicodeEncodeError:
+        raise ManifestError(
+            f"{file}: key '{key}' must be a valid UTF-8 path, found {relative!r}"
+        ) from None
     rel = Path(relative)
     if (not relative or "\x00" in relative or rel.is_absolute() or ".." in rel.parts
             or "\\" in relative):
@@ -208,8 +250,12 @@ def confine(root: Path, relative: str, *, file: Path, key: str) -> Path:
             f"{file}: key '{key}' must be a relative path inside the pair folder, found "
             f"{relative!r}"
         )
-    real_root = root.resolve()
-    target = (root / rel).resolve()
+    try:
+        real_root = root.resolve()
+        target = (root / rel).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, names too long
+        raise ManifestError(f"{file}: key '{key}' ({relative!r}) cannot be resolved ({exc})"
+                            ) from None
     if real_root != target and real_root not in target.parents:
         raise ManifestError(
             f"{file}: key '{key}' points outside the pair folder ({relative!r} resolves to "
@@ -293,8 +339,8 @@ def _parse_model(r: _Reader, root: Path) -> ModelSpec:
         logits_dtype=r.choice("logits_dtype", KV_DTYPES),
         min_cache_len=r.int_in("min_cache_len", 1, 1 << 22, required=False, default=1),
         vocab_ids=_vocab_ids(r, root, files),
-        validation=r.get("validation", dict, required=False, default={}),
-        source=r.get("source", dict, required=False, default={}),
+        validation=_free_form(r, "validation"),
+        source=_free_form(r, "source"),
     )
 
 
@@ -366,9 +412,40 @@ def parse_manifest(root: Path, doc: Any, *, file: Path | None = None) -> PairMan
         pad_token_id=pad,
         tokenizer_files=tokenizer_files,
         defaults=defaults,
-        provenance=r.get("provenance", dict, required=False, default={}),
+        provenance=_free_form(r, "provenance"),
         version=version,
     )
+
+
+def _reject_constant(name: str) -> None:
+    """JSON has no NaN or Infinity: read them as null (older writers could emit them)."""
+    return None
+
+
+def read_manifest(root: Path | str) -> PairManifest:
+    """Read and validate `root/specedge.json` and check that every listed file exists; no
+    hashing (what `load_manifest` adds), so it suits a re-read of a pair just loaded.
+
+    Raises:
+        ManifestError: as `load_manifest`, except for hash mismatches.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise ManifestError(f"{root}: no such pair folder; create one with `specedge export`")
+    file = root / MANIFEST_NAME
+    missing = ManifestError(f"{file}: missing; {root} is not a specedge pair folder (create "
+                            "one with `specedge export`)")
+    if not os.path.lexists(file):
+        raise missing
+    if not confine(root, MANIFEST_NAME, file=file, key=MANIFEST_NAME).is_file():
+        raise missing
+    doc = json_loads_bounded(read_bounded(file, MAX_MANIFEST_BYTES, ManifestError), file)
+    manifest = parse_manifest(root, doc, file=file)
+    for rel in _listed(manifest):
+        if not (root / rel).is_file():
+            raise ManifestError(f"{file}: listed file {rel!r} is missing from {root}; "
+                                "re-export or copy the whole pair folder")
+    return manifest
 
 
 def load_manifest(root: Path | str, *, verify_hashes: bool = True) -> PairManifest:
@@ -377,52 +454,160 @@ def load_manifest(root: Path | str, *, verify_hashes: bool = True) -> PairManife
     Args:
         root: the pair folder.
         verify_hashes: check the sha256 of every listed file (the default). Skipping is logged.
+            The tokenizer files are hashed as they are read either way (`read_listed`).
 
     Raises:
         ManifestError: missing folder or manifest, malformed JSON, schema violation, a listed
             file that is missing or whose hash differs.
     """
-    root = Path(root)
-    if not root.is_dir():
-        raise ManifestError(f"{root}: no such pair folder; create one with `specedge export`")
-    file = root / MANIFEST_NAME
-    if not file.is_file():
-        raise ManifestError(f"{file}: missing; {root} is not a specedge pair folder "
-                            "(create one with `specedge export`)")
-    try:
-        doc = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ManifestError(f"{file}: not valid JSON ({exc}); re-export the pair") from None
-    manifest = parse_manifest(root, doc, file=file)
-    listed: dict[str, str] = dict(manifest.tokenizer_files)
-    for spec in (manifest.target, manifest.draft):
-        if spec is not None:
-            listed.update(spec.files)
-    for rel in listed:
-        path = root / rel
-        if not path.is_file():
-            raise ManifestError(f"{file}: listed file {rel!r} is missing from {root}; "
-                                "re-export or copy the whole pair folder")
+    manifest = read_manifest(root)
+    root = manifest.root
     if verify_hashes:
-        for rel, digest in listed.items():
+        for rel, digest in _listed(manifest).items():
             if sha256_file(root / rel) != digest:
                 raise ManifestError(
-                    f"{root / rel}: sha256 does not match {file}; the file is corrupt or was "
-                    "modified; re-export the pair"
+                    f"{root / rel}: sha256 does not match {root / MANIFEST_NAME}; the file is "
+                    "corrupt or was modified; re-export the pair"
                 )
     else:
         log.warning("sha256 check of %s skipped on request", root)
     return manifest
 
 
+def _listed(manifest: PairManifest) -> dict[str, str]:
+    listed: dict[str, str] = dict(manifest.tokenizer_files)
+    for spec in (manifest.target, manifest.draft):
+        if spec is not None:
+            listed.update(spec.files)
+    return listed
+
+
+def read_bounded(path: Path, limit: int, error: type[Exception] = ManifestError) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (never reads more than that).
+
+    Raises:
+        `error`: the file cannot be read, is not a regular file, or is larger than `limit`.
+    """
+    try:
+        with open(path, "rb") as fh:
+            if not os.path.isfile(path):
+                raise error(f"{path}: not a regular file")
+            data = fh.read(limit + 1)
+    except OSError as exc:
+        raise error(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if len(data) > limit:
+        raise error(f"{path}: larger than the {limit >> 20} MiB this file may have")
+    return data
+
+
+def json_loads_bounded(data: bytes, file: Path) -> Any:
+    """Parse JSON (NaN/Infinity read as null); a ManifestError names `file` on failure."""
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ManifestError(f"{file}: not valid JSON ({_short(exc)}); re-export the pair"
+                            ) from None
+
+
+def read_listed(manifest: PairManifest, rel: str, *, limit: int = MAX_TOKENIZER_FILE_BYTES
+                ) -> bytes:
+    """Read a tokenizer file listed in the manifest: confined to the pair folder, bounded in
+    size, and checked against its sha256 *as read* (the bytes returned are the bytes hashed).
+
+    Raises:
+        ManifestError: not listed, outside the folder, too large, or a different sha256.
+    """
+    file = manifest.root / MANIFEST_NAME
+    digest = manifest.tokenizer_files.get(rel)
+    if digest is None:
+        raise ManifestError(f"{file}: tokenizer.files does not list {rel!r}")
+    path = confine(manifest.root, rel, file=file, key=f"tokenizer.files.{rel}")
+    data = read_bounded(path, limit)
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ManifestError(f"{manifest.root / rel}: sha256 does not match {file}; the file is "
+                            "corrupt or was modified; re-export the pair")
+    return data
+
+
+def _plain_json(value: Any) -> Any:
+    """`value` with non-finite floats replaced by None: what strict JSON can hold."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain_json(v) for v in value]
+    return value
+
+
+def json_dumps(value: Any, **kwargs: Any) -> str:
+    """Strict JSON text (NaN and infinities become null), for files and for stdout."""
+    return json.dumps(_plain_json(value), allow_nan=False, **kwargs)
+
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES,
+                 errno.EPERM, errno.EIO}
+
+
+def write_atomic(path: Path, data: str | bytes) -> Path:
+    """Write `path` through a temporary sibling renamed into place: the file is whole or
+    absent, and a failure (full disk, read-only folder) leaves nothing behind.
+
+    Raises:
+        OutputError: naming `path` and the reason.
+    """
+    path = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    tmp: Path | None = None
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(raw)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write ({exc.strerror or exc}); nothing was "
+                          "written") from None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+def check_writable(folder: Path, size: int = 1 << 16, *, what: str | None = None) -> None:
+    """Check, before a long run, that `size` bytes can be written in `folder` (a probe file is
+    written, synced and removed), so a full or read-only disk fails first, not last.
+
+    Raises:
+        OutputError: naming `what` (default: the folder) and the reason.
+    """
+    name = what or str(folder)
+    if not folder.is_dir():
+        raise OutputError(f"{name}: the folder {folder} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=folder) as fh:
+            block = b"\0" * min(size, 1 << 20)
+            left = size
+            while left > 0:
+                left -= fh.write(block[:left])
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise OutputError(f"{name}: cannot write in {folder} ({exc.strerror or exc})") from None
+
+
 def write_manifest(manifest: PairManifest, folder: Path) -> Path:
-    """Write `manifest` as `folder/specedge.json` (used by the exporter and `tune`)."""
-    out = folder / MANIFEST_NAME
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n",
-                   encoding="utf-8")
-    tmp.replace(out)
-    return out
+    """Write `manifest` as `folder/specedge.json` (used by the exporter and `tune`), atomically.
+
+    Raises:
+        OutputError: the file cannot be written; the previous manifest is left as it was.
+    """
+    text = json_dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n"
+    return write_atomic(Path(folder) / MANIFEST_NAME, text)
 
 
 def copy_pair(src: Path, dst: Path, *, hardlink: bool = False) -> None:
