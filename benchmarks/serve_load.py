@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -131,6 +132,8 @@ async def drive(url: str, model: str, prompts: list[str], n: int, clients: int,
     async def worker(client: httpx.AsyncClient) -> None:
         for i in todo:
             records.append(await one(client, model, prompts[i % len(prompts)], max_tokens, i))
+            if n >= 20 and len(records) % (n // 10) == 0:
+                print(f"  {len(records)}/{n} answered", flush=True)
 
     limits = httpx.Limits(max_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -234,6 +237,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=ROOT / "benchmarks" / "prompts.jsonl")
     ap.add_argument("--json", dest="json_out", type=Path, default=None)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines()
                if line.strip()]
     results = []
