@@ -13,6 +13,7 @@ Both return a `GraphInfo` the manifest is built from.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -119,7 +120,8 @@ def export_concat(hf_dir: Path, out: Path, arch: ArchSpec, precision: str) -> Gr
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     wrapper = _ConcatWrapper(model, layers)
-    out.mkdir(parents=True, exist_ok=True)
+    raw = out / "raw"  # torch's own file(s); rewritten below with one external data file
+    raw.mkdir(parents=True, exist_ok=True)
     past = [torch.zeros(1, heads, 3, head_dim) for _ in range(2 * layers)]
     ids = torch.ones(1, 2, dtype=torch.long)
     mask = torch.ones(1, 5, dtype=torch.long)
@@ -136,14 +138,101 @@ def export_concat(hf_dir: Path, out: Path, arch: ArchSpec, precision: str) -> Gr
     for n in names_out[1:]:
         dyn[n] = {0: "batch", 2: "total"}
     with torch.no_grad():
-        torch.onnx.export(wrapper, (ids, mask, pos, *past), str(out / "model.onnx"),
+        torch.onnx.export(wrapper, (ids, mask, pos, *past), str(raw / "model.onnx"),
                           input_names=names_in, output_names=names_out, dynamic_axes=dyn,
                           opset_version=17, dynamo=False)
+    del wrapper, model, past
+    gc.collect()  # the torch weights go before the ONNX weights are loaded
+    save_external(raw / "model.onnx", out / "model.onnx")
+    shutil.rmtree(raw, ignore_errors=True)
     return GraphInfo(
         onnx_path=out / "model.onnx", graph="concat", num_layers=layers, num_kv_heads=heads,
         head_dim=head_dim, max_seq_len=int(config.max_position_embeddings),
         vocab_size=int(config.vocab_size), kv_dtype="float32", position_ids="position_ids",
         genai_config=None)
+
+
+def save_external(src: Path, dst: Path) -> None:
+    """Re-save `src` as `dst` plus one `dst.name + ".data"` file holding every initializer.
+
+    Any model size fits (protobuf's 2 GB limit applies to the graph only), and initializers
+    that are byte-for-byte the same (a tied embedding and its constant-folded LM head transpose
+    are not, but duplicated folds are) are stored once.
+    """
+    import onnx
+
+    model = onnx.load(str(src), load_external_data=True)
+    _dedupe_initializers(model)
+    _tie_embedding(model)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=dst.name + ".data", size_threshold=1024)
+
+
+def _dedupe_initializers(model: Any) -> int:
+    """Point every use of a duplicated initializer at its first copy; returns how many went."""
+    import hashlib
+
+    first: dict[tuple[int, tuple[int, ...], str], str] = {}
+    rename: dict[str, str] = {}
+    keep = []
+    for init in model.graph.initializer:
+        if len(init.raw_data) < 1024:
+            keep.append(init)
+            continue
+        key = (init.data_type, tuple(init.dims), hashlib.sha256(init.raw_data).hexdigest())
+        if key in first:
+            rename[init.name] = first[key]
+        else:
+            first[key] = init.name
+            keep.append(init)
+    if not rename:
+        return 0
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+    return len(rename)
+
+
+def _tie_embedding(model: Any) -> bool:
+    """Store a tied embedding once: the torch exporter writes the embedding [vocab, hidden] for
+    the Gather and its constant-folded transpose [hidden, vocab] for the LM head MatMul. The
+    Gather is moved onto the transpose (axis 1, then a Transpose of the few gathered rows) and
+    the [vocab, hidden] copy dropped. Returns whether it did."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    for node in list(model.graph.node):
+        if node.op_type != "Gather" or node.input[0] not in inits:
+            continue
+        emb = inits[node.input[0]]
+        if len(emb.dims) != 2 or any(a.name == "axis" and a.i != 0 for a in node.attribute):
+            continue
+        twin = [i for i in model.graph.initializer
+                if list(i.dims) == list(emb.dims)[::-1] and i.data_type == emb.data_type]
+        if not twin:
+            continue
+        table = numpy_helper.to_array(emb)
+        match = next((t for t in twin if np.array_equal(numpy_helper.to_array(t), table.T)), None)
+        if match is None:
+            continue
+        gathered = node.output[0] + "_hidden_first"
+        uses = sum(name == emb.name for n in model.graph.node for name in n.input)
+        index = list(model.graph.node).index(node)
+        model.graph.node.remove(node)
+        model.graph.node.insert(index, helper.make_node(
+            "Gather", [match.name, node.input[1]], [gathered], name=node.name, axis=1))
+        model.graph.node.insert(index + 1, helper.make_node(
+            "Transpose", [gathered], [node.output[0]], name=node.name + "_tied_transpose",
+            perm=[1, 2, 0]))  # [hidden, batch, seq] -> [batch, seq, hidden]
+        if uses == 1:
+            model.graph.initializer.remove(emb)
+        return True
+    return False
 
 
 class _ConcatWrapper:  # a torch.nn.Module is created lazily to keep torch out of module import

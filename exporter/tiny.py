@@ -53,19 +53,25 @@ def make_tokenizer(folder: Path, vocab_size: int = 320) -> int:
 
 
 def make_tiny_model(model_type: str, folder: Path, *, seed: int = 0, num_layers: int | None = None,
-                    init_std: float = 0.1) -> Path:
-    """Write a tiny random model of family `model_type` (see `archs.ARCHS`) to `folder`."""
+                    init_std: float = 0.1, tied: bool = False,
+                    sizes: dict[str, int] | None = None) -> Path:
+    """Write a tiny random model of family `model_type` (see `archs.ARCHS`) to `folder`.
+
+    `tied` ties the LM head to the embedding; `sizes` overrides config entries (e.g.
+    hidden_size, num_hidden_layers) to build larger synthetic models for memory measurements.
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = ARCHS[model_type]
     vocab = make_tokenizer(folder)
-    kwargs = dict(spec.tiny_config)
+    kwargs = dict(spec.tiny_config, **(sizes or {}))
     if num_layers is not None:
         kwargs["n_layer" if model_type == "gpt2" else "num_hidden_layers"] = num_layers
+    vocab = max(vocab, int(kwargs.pop("vocab_size", vocab)))  # ids past the tokenizer's are unused
     config = AutoConfig.for_model(
         model_type, vocab_size=vocab, bos_token_id=0, eos_token_id=2, pad_token_id=0,
-        initializer_range=init_std, tie_word_embeddings=False, architectures=[spec.architecture],
+        initializer_range=init_std, tie_word_embeddings=tied, architectures=[spec.architecture],
         **{k: v for k, v in kwargs.items() if k != "pad_token_id"},
     )
     torch.manual_seed(seed)
