@@ -21,6 +21,7 @@ import numpy as np
 from specedge.runtime.backend import OrtModel, SessionConfig
 from specedge.runtime.errors import InputError
 from specedge.runtime.pair import Pair
+from specedge.runtime.prompts import read_text_file
 
 BUILTIN_TEXTS = (
     "The river runs through the old town, under seven stone bridges built over four centuries. "
@@ -112,12 +113,7 @@ def read_texts(path: Path | None) -> list[str]:
     """
     if path is None:
         return list(BUILTIN_TEXTS)
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such calibration file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read calibration data ({exc})") from None
+    raw = read_text_file(path, "calibration data", "calibration file")
     texts: list[str] = []
     if path.suffix == ".jsonl":
         for n, line in enumerate(raw.splitlines(), 1):
@@ -125,7 +121,7 @@ def read_texts(path: Path | None) -> list[str]:
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 raise InputError(f"{path}:{n}: not valid JSON") from None
             if not isinstance(obj, dict):
                 raise InputError(f"{path}:{n}: expected a JSON object")

@@ -31,13 +31,19 @@ from typing import Any
 import numpy as np
 
 from specedge.exporter import draft_head
-from specedge.exporter.pair import ExportOptions, export_pair
+from specedge.exporter.pair import (
+    ExportOptions,
+    check_output,
+    export_pair,
+    replace_folder,
+    require_modules,
+)
 from specedge.exporter.quantize import QuantSettings, run_isolated
 from specedge.runtime.errors import InputError
 from specedge.runtime.manifest import (
     Defaults,
     copy_pair,
-    load_manifest,
+    read_manifest,
     sha256_file,
     write_manifest,
 )
@@ -98,7 +104,7 @@ class Candidate:
 
 
 def _vocab_candidate(base: Path, dst: Path, keep: np.ndarray) -> None:
-    manifest = load_manifest(base, verify_hashes=False)
+    manifest = read_manifest(base)
     assert manifest.draft is not None
     copy_pair(base, dst)
     shutil.rmtree(dst / "draft")
@@ -121,7 +127,7 @@ def _peak_rss_mib() -> float:
 
 def _self_draft_candidate(base: Path, dst: Path, method: str) -> float | None:
     """A pair whose draft is the target quantized with `method` (in a child process)."""
-    manifest = load_manifest(base, verify_hashes=False)
+    manifest = read_manifest(base)
     assert manifest.draft is not None
     copy_pair(base, dst)
     shutil.rmtree(dst / "draft")
@@ -156,7 +162,7 @@ def _measure_all(candidates: list[Candidate], base_folder: Path, prompts: list[l
     pairs: dict[Path, Pair] = {base_folder: base}
     for cand in candidates:
         if cand.folder not in pairs:
-            m = load_manifest(cand.folder, verify_hashes=False)
+            m = read_manifest(cand.folder)
             assert m.draft is not None
             draft = OrtModel(m.root, m.draft, "draft", base.target.config)
             pairs[cand.folder] = Pair(m, base.tokenizer, base.target, draft)
@@ -196,10 +202,8 @@ def _measure_all(candidates: list[Candidate], base_folder: Path, prompts: list[l
 
 def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
     """Build, score and keep the best drafting for `opts.target`; returns the table."""
-    out = opts.output.expanduser().absolute()
-    if out.exists() and any(out.iterdir()) and not opts.force:
-        raise InputError(f"{out}: folder exists and is not empty; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = check_output(opts.output, force=opts.force, inputs=[opts.target])
+    require_modules("draft")
     work = Path(tempfile.mkdtemp(prefix=".specedge-draft-", dir=out.parent))
     try:
         t0 = time.perf_counter()
@@ -257,7 +261,7 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
                                  "draft_cost_ratio": c.draft_cost_ratio,
                                  "rows": {str(k): r for k, r in c.rows.items()}}
                                 for c in candidates]}
-        manifest = load_manifest(winner.folder, verify_hashes=False)
+        manifest = read_manifest(winner.folder)
         final = work / "final"
         copy_pair(winner.folder, final, hardlink=True)
         write_manifest(replace(manifest, root=final,
@@ -265,9 +269,7 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
                                                  adaptive=manifest.defaults.adaptive),
                                provenance={**manifest.provenance, "draft_search": table}),
                        final)
-        if out.exists():
-            shutil.rmtree(out)
-        final.rename(out)
+        replace_folder(final, out)
         return table
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specedge.runtime.manifest import load_manifest, write_manifest
+from specedge.runtime.manifest import read_manifest, write_manifest
 from specedge.runtime.pair import Pair
 
 from . import data, report
@@ -28,7 +28,7 @@ def annotate(source: Path, quantized: Path, which: str, prompts: int = 8) -> dic
     else:
         quality["acceptance"] = report.draft_acceptance(new, eval_prompts)
         quality["reference_acceptance"] = report.draft_acceptance(ref, eval_prompts)
-    manifest = load_manifest(quantized, verify_hashes=False)
+    manifest = read_manifest(quantized)
     spec = manifest.target if which == "target" else manifest.draft
     assert spec is not None
     spec = replace(spec, validation={**spec.validation, "quality": quality})

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from specedge.exporter.pair import check_output, disk_error, replace_folder, require_modules
 from specedge.exporter.quantize import CALIBRATED, HISTOGRAM, METHODS, QuantSettings, run_isolated
 from specedge.runtime.errors import InputError
 from specedge.runtime.manifest import (
@@ -71,10 +72,8 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
     if spec.precision not in ("fp32", "fp16"):
         raise InputError(f"{opts.pair}: the {opts.model} is already {spec.precision}; quantize "
                          "from an fp32 model")
-    out = opts.output.expanduser().absolute()
-    if out.exists() and any(out.iterdir()) and not opts.force:
-        raise InputError(f"{out}: folder exists and is not empty; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = check_output(opts.output, force=opts.force, inputs=[opts.pair, opts.data_file])
+    require_modules("quantize", ("onnx",))
     pair = Pair.load(opts.pair, load_draft=opts.model == "draft")
     model = pair.target if opts.model == "target" else pair.draft
     assert model is not None
@@ -115,9 +114,13 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
                                "data": str(opts.data_file or "built-in sample")}})
         manifest = replace(source, root=tmp, **{opts.model: new_spec})
         write_manifest(manifest, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        replace_folder(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = disk_error(exc, out)
+        if error is None:
+            raise
+        raise error from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -134,6 +137,7 @@ def quantize_in_place(folder: Path, method: str, data_file: Path | None = None,
     from .quality import annotate
 
     staged = folder.with_name(f".{folder.name}.calibrated")
+    shutil.rmtree(staged, ignore_errors=True)  # ours: left by a process killed mid-way
     try:
         quantize(QuantizeOptions(pair=folder, output=staged, method=method, data_file=data_file,
                                  force=True), say=say)

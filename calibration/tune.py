@@ -3,6 +3,9 @@
 Target-only and every (drafter, K) run on the same prompts, interleaved prompt by prompt so that
 machine drift hits all alike; the score is decode tokens/s. The winner becomes the pair's
 default drafter and K (the manifest is rewritten atomically); `generate` and `bench` use it.
+Before measuring, it checks that the manifest can be written back (the folder takes a file of
+its size, and the manifest serializes), so a full or read-only disk fails in a second, not after
+minutes, and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from specedge.runtime.errors import InputError
-from specedge.runtime.manifest import DRAFTERS, load_manifest, write_manifest
+from specedge.runtime.manifest import DRAFTERS, check_writable, json_dumps, write_manifest
 from specedge.runtime.pair import GenerationConfig, Pair
 
 
@@ -29,8 +32,8 @@ class TuneOptions:
     def __post_init__(self) -> None:
         if not self.prompts:
             raise InputError("tune needs calibration prompts")
-        if any(not 1 <= k <= 64 for k in self.ks):
-            raise InputError(f"--ks values must be in 1..64, got {self.ks}")
+        if not self.ks or any(not 1 <= k <= 64 for k in self.ks):
+            raise InputError(f"--ks takes values in 1..64, got {self.ks}")
         bad = [d for d in self.drafters if d not in DRAFTERS]
         if bad:
             raise InputError(f"unknown drafter(s) {bad}; use {', '.join(DRAFTERS)}")
@@ -42,6 +45,10 @@ def tune(opts: TuneOptions, progress: Callable[[str], None] | None = None) -> di
     drafters = [d for d in opts.drafters if d == "ngram" or pair.draft is not None]
     if not drafters:
         raise InputError(f"{opts.pair} has no draft model; tune with --drafters ngram")
+    if opts.write:
+        # The manifest is written back at the end: check now that it can be.
+        size = len(json_dumps(pair.manifest.to_json(), indent=2)) + (64 << 10)
+        check_writable(Path(opts.pair), size, what=str(Path(opts.pair) / "specedge.json"))
     settings: dict[tuple[str, int], GenerationConfig] = {
         ("none", 0): GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter="none")}
     for d in drafters:
@@ -60,16 +67,16 @@ def tune(opts: TuneOptions, progress: Callable[[str], None] | None = None) -> di
         if progress:
             progress(f"prompt {n + 1}/{len(ids)}")
     rows: list[dict[str, Any]] = [
-        {"drafter": d, "k": k, "tokens_per_s": s[0] / s[1],
+        {"drafter": d, "k": k, "tokens_per_s": s[0] / s[1] if s[1] > 0 else 0.0,
          "acceptance": s[2] / s[3] if s[3] else None} for (d, k), s in sums.items()]
     base = rows[0]["tokens_per_s"]
     for r in rows:
-        r["speedup"] = r["tokens_per_s"] / base
+        r["speedup"] = r["tokens_per_s"] / base if base > 0 else 0.0
     best = max(rows, key=lambda r: r["tokens_per_s"])
     table = {"rows": rows, "best": best, "prompts": len(ids),
              "max_new_tokens": opts.max_new_tokens}
     if opts.write:
-        manifest = load_manifest(opts.pair, verify_hashes=False)
+        manifest = pair.manifest  # as loaded (and verified) above, not re-read
         defaults = manifest.defaults
         if best["drafter"] == "none":  # speculation does not pay: keep K, turn adaptive on
             defaults = replace(defaults, adaptive=True)

@@ -1,24 +1,30 @@
 """Write a pair folder: target (+ draft) ONNX models, tokenizer, validation, manifest.
 
 The folder is written to a temporary sibling and renamed into place at the very end, so an error
-or a Ctrl-C never leaves a half-written pair behind.
+or a Ctrl-C never leaves a half-written pair behind. `--force` replaces only a previous specedge
+output (a folder with `specedge.json`) that is neither an input nor a folder holding one
+(`check_output`, shared with `quantize` and `draft`).
 """
 
 from __future__ import annotations
 
+import errno
+import importlib.util
 import json
 import os
 import resource
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specedge import __version__
-from specedge.runtime.errors import ExportError, InputError
+from specedge.runtime.errors import ExportError, InputError, OutputError
 from specedge.runtime.manifest import (
+    MANIFEST_NAME,
     Defaults,
     KVSpec,
     ModelSpec,
@@ -95,12 +101,68 @@ class ExportReport:
     peak_rss_mb: float
 
 
-def _check_output(opts: ExportOptions) -> Path:
-    out = opts.output.expanduser().absolute()
+EXPORT_MODULES = ("torch", "transformers", "onnx")
+# What a full or read-only disk looks like (EFBIG: a file-size limit).
+DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+def require_modules(command: str, modules: Sequence[str] = EXPORT_MODULES) -> None:
+    """Refuse to start `command` without the [export] extra, naming what is missing.
+
+    Raises:
+        InputError: a module of `modules` cannot be imported.
+    """
+    missing = []
+    for name in modules:
+        try:
+            if importlib.util.find_spec(name) is None:
+                missing.append(name)
+        except (ImportError, ValueError):
+            missing.append(name)
+    if missing:
+        raise InputError(f"{command} needs the [export] extra (missing: {', '.join(missing)}): "
+                         "pip install 'specedge[export]'")
+
+
+def _inputs(values: Iterable[str | Path | None]) -> list[Path]:
+    """The local paths among command inputs (hub ids and missing paths are not folders)."""
+    out = []
+    for value in values:
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        if path.exists():
+            out.append(path.resolve())
+    return out
+
+
+def check_output(output: Path, *, force: bool, inputs: Iterable[str | Path | None]) -> Path:
+    """The absolute output folder of a command that writes a pair, once it is safe to write.
+
+    An existing non-empty folder is replaced only with `force`, only if it is a previous
+    specedge output (it holds `specedge.json`), and never if it is an input or holds one (a
+    parent of the source would go with it). The parent must be writable.
+
+    Raises:
+        InputError: naming the folder and what to do.
+    """
+    out = output.expanduser().absolute()
+    real = out.resolve()
+    for src in _inputs(inputs):
+        if real == src or real in src.parents:
+            what = "the input" if real == src else f"a folder holding the input {src}"
+            raise InputError(f"{out}: is {what}; writing the output there would delete it: "
+                             "choose another --output")
     if out.exists() and not out.is_dir():
         raise InputError(f"{out}: exists and is not a folder; choose another --output")
-    if out.is_dir() and any(out.iterdir()) and not opts.force:
-        raise InputError(f"{out}: folder exists and is not empty; pass --force to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise InputError(f"{out}: folder exists and is not empty; pass --force to replace "
+                             "it")
+        if not (out / MANIFEST_NAME).is_file():
+            raise InputError(f"{out}: not a specedge output (no {MANIFEST_NAME}); --force only "
+                             "replaces a previous pair folder: choose another --output or remove "
+                             "the folder yourself")
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -109,6 +171,35 @@ def _check_output(opts: ExportOptions) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{parent}: not writable; choose another --output")
     return out
+
+
+def replace_folder(staged: Path, out: Path) -> None:
+    """Move the complete folder `staged` to `out`, replacing a previous `out` (renamed aside
+    first, removed last: a failure in between never leaves `out` missing and `staged` lost)."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        try:
+            staged.rename(out)
+        except BaseException:
+            old.rename(out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staged.rename(out)
+
+
+def disk_error(exc: OSError, out: Path) -> OutputError | None:
+    """The error to show for a full or read-only disk while writing `out` (None: another
+    OSError, left as it is)."""
+    if exc.errno not in DISK_ERRNOS:
+        return None
+    return OutputError(f"{out}: cannot write the pair ({exc.strerror}); nothing was left "
+                       "behind: free some space or choose another --output")
+
+
+def _check_output(opts: ExportOptions) -> Path:
+    return check_output(opts.output, force=opts.force, inputs=[opts.target, opts.draft])
 
 
 def _tokenizer_vocab(folder: Path) -> dict[str, int]:
@@ -256,8 +347,13 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
     say = progress or (lambda _msg: None)
     start = time.perf_counter()
     out = _check_output(opts)
+    require_modules("export")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    work = Path(tempfile.mkdtemp(prefix="specedge-export-"))
+    try:
+        work = Path(tempfile.mkdtemp(prefix="specedge-export-"))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         say("resolving the target")
         target_src = sources.resolve(opts.target, work, "target")
@@ -296,13 +392,13 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
                         "provider": opts.provider},
         )
         write_manifest(manifest, tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        replace_folder(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = disk_error(exc, out)
+        if error is None:
+            raise
+        raise error from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -47,8 +47,8 @@ class BatchBenchOptions:
         if len(self.prompts) < max(self.batches):
             raise InputError(f"--batch {max(self.batches)} needs at least that many prompts; "
                              f"got {len(self.prompts)}")
-        if any(not 1 <= k <= 64 for k in self.ks):
-            raise InputError(f"--ks values must be in 1..64, got {self.ks}")
+        if not self.ks or any(not 1 <= k <= 64 for k in self.ks):
+            raise InputError(f"--ks takes values in 1..64, got {self.ks}")
 
 
 @dataclass

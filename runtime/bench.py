@@ -16,6 +16,7 @@ catch-up calls, a growing context).
 
 from __future__ import annotations
 
+import io
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError
+from .manifest import write_atomic
 from .pair import GenerationConfig, Pair
 from .sampling import SamplingParams
 
@@ -56,8 +58,8 @@ class BenchOptions:
             raise InputError("bench needs at least one prompt")
         if self.repeats < 1 or self.warmup < 0:
             raise InputError("--repeats must be >= 1 and --warmup >= 0")
-        if any(not 1 <= k <= 64 for k in self.ks):
-            raise InputError(f"--ks values must be in 1..64, got {self.ks}")
+        if not self.ks or any(not 1 <= k <= 64 for k in self.ks):
+            raise InputError(f"--ks takes values in 1..64, got {self.ks}")
 
 
 @dataclass
@@ -259,9 +261,10 @@ def plot(report: BenchReport, out: Path) -> Path | None:
     ax2.set_ylim(0, 1)
     fig.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
-    return out
+    return write_atomic(out, png.getvalue())  # whole or absent, even on a full disk
 
 
 def format_rows(report: BenchReport) -> Sequence[Sequence[str]]:

@@ -15,6 +15,35 @@ from pathlib import Path
 from .errors import InputError
 
 DEFAULT_PROMPT_FILE = "data/prompts20.txt"
+MAX_INPUT_BYTES = 64 << 20  # prompt, batch and calibration files: far more than any real one
+
+
+def read_text_file(path: Path, what: str, noun: str, limit: int = MAX_INPUT_BYTES) -> str:
+    """The UTF-8 text of an input file, never reading more than `limit` bytes (a pipe or a
+    device such as /dev/zero has no size to check first).
+
+    Args:
+        path: the file.
+        what: what it holds, for messages ("prompts").
+        noun: what it is, for messages ("prompt file").
+
+    Raises:
+        InputError: "PATH: cannot read WHAT (...)": missing, unreadable, too large, not UTF-8.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limit + 1)
+    except FileNotFoundError:
+        raise InputError(f"{path}: cannot read {what} (no such {noun})") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read {what} ({exc.strerror or exc})") from None
+    if len(data) > limit:
+        raise InputError(f"{path}: cannot read {what} (the {noun} is larger than "
+                         f"{limit >> 20} MiB)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: cannot read {what} (not UTF-8 text: {exc})") from None
 
 
 def read_prompts(path: Path) -> tuple[str, ...]:
@@ -24,10 +53,7 @@ def read_prompts(path: Path) -> tuple[str, ...]:
         InputError: the file cannot be read, a .jsonl line is not an object with a "prompt",
             or the file holds no prompt.
     """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read prompts ({exc})") from None
+    text = read_text_file(path, "prompts", "prompt file")
     prompts = _parse(text, path.suffix == ".jsonl", str(path))
     if not prompts:
         raise InputError(f"{path}: no prompts in the file")
@@ -49,7 +75,10 @@ def _parse(text: str, jsonl: bool, where: str) -> tuple[str, ...]:
             prompts.append(line)
             continue
         try:
-            prompts.append(str(json.loads(line)["prompt"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
+            prompt = json.loads(line)["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
             raise InputError(f"{where}:{n}: expected a JSON object with a \"prompt\" key") from None
+        if not isinstance(prompt, str):
+            raise InputError(f"{where}:{n}: \"prompt\" must be a string")
+        prompts.append(prompt)
     return tuple(prompts)

@@ -2,16 +2,21 @@
 
 Each command parses its options into the library's frozen dataclasses, calls one library
 function, and prints with rich. Choices (quantization methods, precisions, graph forms,
-drafters) come from the modules that implement them. Package errors (and Ctrl-C) become one clean
-line and a non-zero exit; malformed option values are click usage errors (exit 2).
+drafters) come from the modules that implement them. Package errors become one clean line and a
+non-zero exit; malformed option values are click usage errors (exit 2). Ctrl-C exits 130,
+SIGTERM 143 and SIGHUP 129 after the same cleanup (temporary folders removed, child processes
+ended); a closed stdout pipe (`| head`) exits 141 without a word, like other Unix tools.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import wraps
@@ -25,7 +30,7 @@ from specedge.calibration.draft_search import SELF_DRAFTS
 from specedge.exporter.pair import GRAPHS, PRECISIONS, PROVIDERS
 from specedge.exporter.quantize import METHODS
 from specedge.runtime.errors import InputError, SpecEdgeError
-from specedge.runtime.manifest import DRAFTERS
+from specedge.runtime.manifest import DRAFTERS, json_dumps, write_atomic
 from specedge.runtime.pair import DRAFTER_CHOICES
 
 if TYPE_CHECKING:
@@ -36,26 +41,97 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+EXTRA_MODULES = {"torch", "transformers", "onnx", "onnxruntime_genai", "gguf", "onnxscript",
+                 "onnx_ir", "safetensors", "accelerate", "sentencepiece", "huggingface_hub"}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread so that the cleanup of Ctrl-C runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_as_interrupts() -> Iterator[None]:
+    """While a command runs, SIGTERM (what `timeout` and `kill` send) and SIGHUP raise
+    `Terminated` like Ctrl-C raises KeyboardInterrupt: `finally` blocks remove temporary
+    folders, and `subprocess.run` kills its child on the way out. Repeats of the signal are
+    ignored until the cleanup is done. Signals ignored on entry (nohup) stay ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, Any] = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        current = signal.getsignal(sig)
+        if current is not signal.SIG_IGN:
+            previous[sig] = current
+            signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+def _one_line(message: str) -> str:
+    """An error message as one printable line (lone surrogates escaped)."""
+    text = " ".join(message.split("\n"))
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _exit_quietly_on_broken_pipe() -> None:
+    # The reader went away (`| head`): nothing more can be said on stdout, and Python would
+    # complain when it flushes stdout at exit. Point stdout at /dev/null and leave as a
+    # SIGPIPE-killed tool does.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    sys.exit(128 + signal.SIGPIPE)
+
+
 def clean_errors(fn: F) -> F:
     """Turn package errors into one line on stderr and exit code 1 (2 for usage)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with _signals_as_interrupts():
+                result = fn(*args, **kwargs)
+                sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+            return result
+        except BrokenPipeError:
+            _exit_quietly_on_broken_pipe()
         except SpecEdgeError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {_one_line(str(exc))}", err=True)
             sys.exit(1)
-        except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+        except KeyboardInterrupt as exc:
+            terminated = isinstance(exc, Terminated)
+            click.echo("terminated" if terminated else "interrupted", err=True)
             # Cleanup already ran in the `finally` blocks on the way here. Leave now: a normal
             # interpreter shutdown can meet the interrupt again (torch and onnxruntime
             # threads) and then exits by SIGINT instead of 130.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(130)
+            os._exit(128 + exc.signum if isinstance(exc, Terminated) else 130)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] not in EXTRA_MODULES:
+                raise
+            click.echo(f"error: this command needs the [export] extra (no module named "
+                       f"{exc.name!r}): pip install 'specedge[export]'", err=True)
+            sys.exit(1)
         except OSError as exc:
-            click.echo(f"error: {exc.filename or ''}: {exc.strerror or exc}", err=True)
+            where = f"{exc.filename}: " if exc.filename else ""
+            click.echo(f"error: {_one_line(where + str(exc.strerror or exc))}", err=True)
             sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
@@ -165,6 +241,13 @@ class LoadOptions:
                 raise InputError(f"--threads {self.threads!r}: give N or TARGET,DRAFT") from None
             if len(nums) not in (1, 2) or min(nums) < 0:
                 raise InputError(f"--threads {self.threads!r}: give N or TARGET,DRAFT (>= 0)")
+            from specedge.runtime.backend import THREADS_PER_CORE, max_threads, physical_cores
+
+            if max(nums) > max_threads():
+                raise InputError(
+                    f"--threads {self.threads!r}: at most {max_threads()} on this machine "
+                    f"({THREADS_PER_CORE} x the {physical_cores()} cores this process may use; "
+                    "0 picks for you)")
             plan = plan_threads(target_p, draft_p, nums[0], nums[-1])
         return Pair.load(pair, providers=(target_p, draft_p), plan=plan,
                          verify_hashes=not self.no_verify)
@@ -276,8 +359,16 @@ def _status(message: str) -> Iterator[Callable[[str], None]]:
 
 @click.group()
 @click.version_option(package_name="specedge")
-def main() -> None:
+@click.option("-v", "--verbose", count=True,
+              help="Show ONNX Runtime's own log (-v warnings and errors, -vv info) and "
+                   "specedge's info messages.")
+def main(verbose: int) -> None:
     """specedge: speculative decoding for edge devices (export, generate, bench)."""
+    if verbose:
+        from specedge.runtime.backend import set_log_severity
+
+        set_log_severity(max(0, 3 - verbose))
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
 
 
 @main.command()
@@ -325,7 +416,7 @@ def export(target: str, output: Path, draft: str | None, precision: str,
 
         quality = quantize_in_place(report.folder, calibrate_method, data_file,
                                     say=lambda msg: click.echo(msg, err=True))
-        click.echo(json.dumps(quality, indent=2))
+        click.echo(json_dumps(quality, indent=2))
 
 
 def _print_export(report: Any) -> None:
@@ -424,7 +515,7 @@ def quantize(pair: Path, output: Path, method: str, which: str, data_file: Path 
                            block_size=block_size, accuracy_level=accuracy_level,
                            exclude=exclude, symmetric=not asymmetric, force=force)
     folder = run(opts, say=lambda msg: click.echo(msg, err=True))
-    click.echo(json.dumps(annotate(pair, folder, which), indent=2))
+    click.echo(json_dumps(annotate(pair, folder, which), indent=2))
 
 
 @main.command()
@@ -487,55 +578,110 @@ def _stream(loaded: Pair, prompt: Any, config: GenerationConfig) -> GenerationRe
 
 _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
              "seed", "stop", "chat"}
+_ROW_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "max_new_tokens": ((int,), "an integer"), "top_k": ((int,), "an integer"),
+    "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
+    "min_p": ((int, float), "a number"), "seed": ((int, type(None)), "an integer or null"),
+    "chat": ((bool,), "true or false"),
+}
 
 
-def _read_batch(path: Path, base: GenerationConfig) -> tuple[list[Any], list[GenerationConfig]]:
-    """Prompts and per-row configs from a JSONL batch file (CLI options are the defaults)."""
+@dataclasses.dataclass(frozen=True)
+class BatchRows:
+    """The rows of a batch file: prompts, configs, and where each row is (`file:line`)."""
+
+    prompts: list[Any]
+    configs: list[GenerationConfig]
+    where: list[str]
+
+
+def _check_row(row: dict[str, Any], where: str) -> None:
+    """Types of a batch row's fields (JSON gives any type; bool is not a number here)."""
+    from specedge.runtime.text import check_text
+
+    for key, (kinds, name) in _ROW_TYPES.items():
+        if key in row and (not isinstance(row[key], kinds) or
+                           (isinstance(row[key], bool) and bool not in kinds)):
+            raise InputError(f"{where}: \"{key}\" must be {name}, found {row[key]!r}")
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str):
+            raise InputError(f"{where}: \"prompt\" must be a string")
+        if not row["prompt"]:
+            raise InputError(f"{where}: \"prompt\" is empty; give some text")
+        check_text(row["prompt"], f"{where}: \"prompt\"")
+    else:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise InputError(f"{where}: \"messages\" must be a non-empty list of "
+                             "{\"role\": ..., \"content\": ...} objects with string values")
+        for m in messages:
+            check_text(m["content"], f"{where}: a message")
+    stop = row.get("stop", [])
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        raise InputError(f"{where}: \"stop\" must be a list of strings")
+    for x in stop:
+        check_text(x, f"{where}: a stop string")
+
+
+def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
+    """Prompts and per-row configs from a JSONL batch file (CLI options are the defaults).
+
+    Raises:
+        InputError: naming `file:line` for a malformed row.
+    """
+    from specedge.runtime.prompts import read_text_file
     from specedge.runtime.sampling import SamplingParams
 
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read the batch file ({exc})") from None
-    prompts, configs = [], []
+    lines = read_text_file(path, "the batch file", "batch file").splitlines()
+    rows = BatchRows([], [], [])
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"{path}:{n}"
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            raise InputError(f"{path}:{n}: not a JSON object") from None
+        except (json.JSONDecodeError, RecursionError):
+            raise InputError(f"{where}: not a JSON object") from None
         if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-            raise InputError(f"{path}:{n}: give exactly one of \"prompt\" or \"messages\"")
+            raise InputError(f"{where}: give exactly one of \"prompt\" or \"messages\"")
         unknown = set(row) - _ROW_KEYS
         if unknown:
-            raise InputError(f"{path}:{n}: unknown key(s) {sorted(unknown)}; use "
+            raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; use "
                              f"{', '.join(sorted(_ROW_KEYS))}")
+        _check_row(row, where)
         s = base.sampling
-        sampling = SamplingParams(
-            temperature=row.get("temperature", s.temperature), top_k=row.get("top_k", s.top_k),
-            top_p=row.get("top_p", s.top_p), min_p=row.get("min_p", s.min_p),
-            seed=row.get("seed", s.seed))
-        stop = row.get("stop", list(base.stop))
-        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
-            raise InputError(f"{path}:{n}: \"stop\" must be a list of strings")
-        configs.append(dataclasses.replace(
-            base, sampling=sampling, stop=tuple(stop),
-            max_new_tokens=row.get("max_new_tokens", base.max_new_tokens),
-            chat=bool(row.get("chat", base.chat or "messages" in row))))
-        prompts.append(row.get("prompt", row.get("messages")))
-    if not prompts:
+        try:
+            sampling = SamplingParams(
+                temperature=row.get("temperature", s.temperature),
+                top_k=row.get("top_k", s.top_k), top_p=row.get("top_p", s.top_p),
+                min_p=row.get("min_p", s.min_p), seed=row.get("seed", s.seed))
+            rows.configs.append(dataclasses.replace(
+                base, sampling=sampling, stop=tuple(row.get("stop", base.stop)),
+                max_new_tokens=row.get("max_new_tokens", base.max_new_tokens),
+                chat=row.get("chat", base.chat or "messages" in row)))
+        except InputError as exc:
+            raise InputError(f"{where}: {exc}") from None
+        rows.prompts.append(row.get("prompt", row.get("messages")))
+        rows.where.append(where)
+    if not rows.prompts:
         raise InputError(f"{path}: no rows in the batch file")
-    return prompts, configs
+    return rows
 
 
 def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, show_stats: bool,
                     as_json: bool) -> None:
-    prompts, configs = _read_batch(batch_file, config)
-    result = loaded.generate_batch(prompts, configs)
+    rows = _read_batch(batch_file, config)
+    for prompt, cfg, where in zip(rows.prompts, rows.configs, rows.where, strict=True):
+        try:  # the row's own errors (template, length, context) name its line
+            loaded.plan(cfg).check_prompt(len(loaded.encode_prompt(prompt, chat=cfg.chat)))
+        except InputError as exc:
+            raise InputError(f"{where}: {exc}") from None
+    result = loaded.generate_batch(rows.prompts, rows.configs)
     for i, row in enumerate(result.results):
         if as_json:
-            click.echo(json.dumps({"row": i, "text": row.text, "tokens": row.tokens,
+            click.echo(json_dumps({"row": i, "text": row.text, "tokens": row.tokens,
                                    "stop_reason": row.stop_reason,
                                    "stats": row.stats.to_dict()}))
         else:
@@ -546,7 +692,7 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
                    "acceptance_rate": st.acceptance_rate, "decode_s": st.decode_s,
                    "aggregate_tokens_per_s": st.tokens_per_s}
         if as_json:
-            click.echo(json.dumps({"batch": summary}))
+            click.echo(json_dumps({"batch": summary}))
         else:
             click.echo(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                                 for k, v in summary.items()), err=True)
@@ -578,7 +724,7 @@ def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load
     assert prompt is not None
     if as_json:
         result = loaded.generate(prompt, config)
-        click.echo(json.dumps({"text": result.text, "tokens": result.tokens,
+        click.echo(json_dumps({"text": result.text, "tokens": result.tokens,
                                "stop_reason": result.stop_reason,
                                "stats": result.stats.to_dict()}))
         return
@@ -596,10 +742,19 @@ def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load
 @clean_errors
 def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: str | None,
          show_stats: bool) -> None:
-    """Chat with the pair in folder PAIR (empty line or Ctrl-D to quit)."""
+    """Chat with the pair in folder PAIR (empty line or Ctrl-D to quit).
+
+    When the conversation outgrows the context, the oldest exchanges are dropped (and named on
+    stderr); a turn that fails prints its error and the conversation goes on.
+    """
     config = generation.config(False)
     loaded = load.load(pair)
-    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    if hasattr(sys.stdin, "reconfigure"):
+        # Undecodable input becomes lone surrogates, refused per turn, instead of ending the
+        # chat with a UnicodeDecodeError.
+        sys.stdin.reconfigure(errors="surrogateescape")
+    head: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    turns: list[dict[str, str]] = []  # user, assistant, user, assistant, ...
     while True:
         try:
             line = input("> ")
@@ -607,11 +762,38 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
             break
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
-        result = _stream(loaded, messages, config)
-        messages.append({"role": "assistant", "content": result.text})
+        try:
+            kept, dropped = _fit_context(loaded, head, turns + [
+                {"role": "user", "content": line}], config)
+            if dropped:
+                click.echo(_dropped_note(dropped, loaded.plan(config).limit), err=True)
+            result = _stream(loaded, head + kept, config)
+        except SpecEdgeError as exc:
+            click.echo(f"error: {_one_line(str(exc))}", err=True)
+            continue  # the conversation is as it was before this turn
+        turns = kept + [{"role": "assistant", "content": result.text}]
         if show_stats:
             _print_stats(result)
+
+
+def _fit_context(loaded: Pair, head: list[dict[str, str]], turns: list[dict[str, str]],
+                 config: GenerationConfig) -> tuple[list[dict[str, str]], list[str]]:
+    """The turns that fit the context with room to answer: the oldest exchanges (a user
+    message and its reply) go first, the last message always stays. Returns (kept, the first
+    words of each dropped exchange)."""
+    limit = loaded.plan(config).limit
+    room = min(config.max_new_tokens, max(1, limit // 4))
+    dropped: list[str] = []
+    while len(turns) > 1 and len(loaded.encode_prompt(head + turns)) + room > limit:
+        dropped.append(turns[0]["content"])
+        turns = turns[2:]
+    return turns, dropped
+
+
+def _dropped_note(dropped: list[str], limit: int) -> str:
+    shown = ", ".join(repr(text[:30] + ("..." if len(text) > 30 else "")) for text in dropped)
+    return _one_line(f"note: the conversation outgrew the context of {limit} tokens: dropped "
+                     f"the oldest {len(dropped)} exchange(s), starting {shown}")
 
 
 @main.command()
@@ -646,6 +828,9 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
 
     from specedge.runtime import bench as b
 
+    for out in (json_out, plot_out):
+        if out is not None:  # a full or read-only disk fails now, not after the measurements
+            _check_output_file(out)
     if batches is not None:
         _bench_batches(pair, prompts_file, batches, ks, max_new_tokens, not no_adaptive,
                        not plain, load, json_out)
@@ -669,11 +854,20 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
                + (f"{1000 * c.draft_step:.2f} ms ({c.draft_step / c.target[1]:.2f} of the "
                   "target)" if c.draft_step else "no draft model"))
     if json_out:
-        json_out.write_text(json.dumps(report.to_json(), indent=2))
+        write_atomic(json_out, json_dumps(report.to_json(), indent=2) + "\n")
         click.echo(f"wrote {json_out}")
     if plot_out:
         written = b.plot(report, plot_out)
         click.echo(f"wrote {written}" if written else "matplotlib is not installed: no plot")
+
+
+def _check_output_file(path: Path) -> None:
+    """Refuse an output file whose folder is missing or cannot take a report."""
+    from specedge.runtime.manifest import check_writable
+
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder; give a file name")
+    check_writable(path.expanduser().absolute().parent, what=str(path))
 
 
 def _bench_batches(pair: Path, prompts_file: Path | None, batches: tuple[int, ...],
@@ -699,8 +893,8 @@ def _bench_batches(pair: Path, prompts_file: Path | None, batches: tuple[int, ..
                            f"{max_new_tokens} tokens, greedy)", bb.HEADERS,
                            bb.format_rows(rows)))
     if json_out:
-        json_out.write_text(json.dumps({"rows": rows, "costs": {
-            str(r.batch): r.costs for r in report}}, indent=2))
+        write_atomic(json_out, json_dumps({"rows": rows, "costs": {
+            str(r.batch): r.costs for r in report}}, indent=2) + "\n")
         click.echo(f"wrote {json_out}")
 
 
@@ -712,7 +906,7 @@ def inspect(pair: Path, no_verify: bool) -> None:
     """Validate the pair folder PAIR and print its manifest summary as JSON."""
     from specedge.runtime.manifest import describe, load_manifest
 
-    click.echo(json.dumps(describe(load_manifest(pair, verify_hashes=not no_verify)), indent=2))
+    click.echo(json_dumps(describe(load_manifest(pair, verify_hashes=not no_verify)), indent=2))
 
 
 if __name__ == "__main__":  # pragma: no cover
