@@ -188,6 +188,8 @@ def quantize_model(settings: QuantSettings, src: Path, dst: Path,
             onnx.load(str(src)), block_size=s.block_size, is_symmetric=s.symmetric,
             accuracy_level=s.accuracy_level, nodes_to_exclude=exclude, algo_config=config)
         quant.process()
+        if method in ("int4-rtn", "int4-kquant", "int4-gptq"):
+            quantize_embedding(quant.model.model, s.block_size)
         if method != "int4-hqq":
             quant.model.save_model_to_file(str(dst), use_external_data_format=True)
             return
@@ -201,6 +203,63 @@ def quantize_model(settings: QuantSettings, src: Path, dst: Path,
     except Exception as exc:  # the quantizers raise plain exceptions
         msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ExportError(f"{src}: {method} quantization failed ({msg})") from None
+
+
+def quantize_embedding(model: Any, block_size: int) -> bool:
+    """Replace the float embedding Gather by a 4-bit GatherBlockQuantized (com.microsoft).
+
+    Round to nearest, symmetric, one scale per `block_size` values along the hidden axis, codes
+    stored as uint8 pairs (zero point 8, the MatMulNBits layout), so the graph keeps its opset.
+    Handles the [vocab, hidden] table (Gather axis 0) and the [hidden, vocab] one a tied concat
+    export gathers along axis 1 followed by a Transpose (`onnx_export._tie_embedding`). The
+    float table is dropped when nothing else reads it. Returns whether a Gather was replaced.
+    """
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    nodes = list(model.graph.node)
+    for node in nodes:
+        if node.op_type != "Gather" or node.input[0] not in inits:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        table = numpy_helper.to_array(inits[node.input[0]]).astype(np.float32)
+        output = node.output[0]
+        drop = [node]
+        if axis == 1:  # [hidden, vocab] + Transpose(1, 2, 0) from _tie_embedding
+            after = [n for n in nodes if output in n.input]
+            if len(after) != 1 or after[0].op_type != "Transpose":
+                continue
+            table, output = table.T, after[0].output[0]
+            drop.append(after[0])
+        elif axis != 0:
+            continue
+        vocab, hidden = table.shape
+        if table.ndim != 2 or hidden % block_size:
+            continue
+        blocks = table.reshape(vocab, hidden // block_size, block_size)
+        scales = np.abs(blocks).max(-1, keepdims=True) / 7.0
+        scales[scales == 0] = 1.0
+        codes = (np.clip(np.round(blocks / scales), -8, 7) + 8).astype(np.uint8)
+        codes = codes.reshape(vocab, hidden)
+        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+        base = node.input[0] + "_gbq4"
+        model.graph.initializer.extend([
+            numpy_helper.from_array(packed, base),
+            numpy_helper.from_array(scales.reshape(vocab, -1).astype(np.float32),
+                                    base + "_scales")])
+        index = nodes.index(node)
+        for n in drop:
+            model.graph.node.remove(n)
+        model.graph.node.insert(index, helper.make_node(
+            "GatherBlockQuantized", [base, node.input[1], base + "_scales"], [output],
+            name=node.name + "_Q4", domain="com.microsoft", gather_axis=0, quantize_axis=1,
+            block_size=block_size, bits=4))
+        if not any(node.input[0] in n.input for n in model.graph.node):
+            model.graph.initializer.remove(inits[node.input[0]])
+        if not any(o.domain == "com.microsoft" for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+        return True
+    return False
 
 
 _PEAK_MARKER = "SPECEDGE_PEAK_RSS_MIB="

@@ -2,10 +2,11 @@
 
 Every source ends up as a plain Hugging Face folder (config.json, safetensors, tokenizer files)
 because that is what both the ONNX Runtime GenAI builder and transformers' validation read.
-GGUF files are dequantized by transformers (`from_pretrained(..., gguf_file=...)`, needs `gguf`),
-then loaded into a fresh model built from the config without its `quantization_config` so that
-`save_pretrained` accepts it. Hub ids are downloaded with `huggingface_hub.snapshot_download`
-(needs a network; this fails with a clear message offline).
+GGUF files are dequantized by transformers (`from_pretrained(..., gguf_file=...)`, needs `gguf`)
+and their weights written straight to safetensors (one copy in memory, tied weights once), with
+a config.json that has no `quantization_config`; the GGUF's chat template comes along. Hub ids
+are downloaded with `huggingface_hub.snapshot_download` (needs a network; this fails with a clear
+message offline).
 """
 
 from __future__ import annotations
@@ -88,9 +89,18 @@ def download(repo_id: str, out: Path) -> Path:
 
 
 def gguf_to_folder(gguf: Path, out: Path) -> Path:
-    """Dequantize a GGUF checkpoint into a float32 Hugging Face folder."""
+    """Dequantize a GGUF checkpoint into a float32 Hugging Face folder.
+
+    Memory: the weights are dequantized once into one torch model, written straight to
+    safetensors (tied weights once) and freed before this returns, so the peak is about one
+    fp32 copy of the weights plus the GGUF file. The GGUF's `tokenizer.chat_template` becomes
+    chat_template.jinja when the file has one.
+    """
+    import gc
+
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not _is_gguf(gguf):
         raise ExportError(f"{gguf}: not a GGUF file (bad magic bytes); check the download")
@@ -106,15 +116,47 @@ def gguf_to_folder(gguf: Path, out: Path) -> Path:
         ) from None
     cfg = loaded.config.to_dict()
     cfg.pop("quantization_config", None)
-    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "model_type"},
-                                  model_type=cfg["model_type"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    model.tie_weights()
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = "float32"
+    cfg["architectures"] = cfg.get("architectures") or [type(loaded).__name__]
+    tied = bool(cfg.get("tie_word_embeddings"))
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
+    # One copy of the weights: the state dict shares the model's storage; a tied LM head is the
+    # embedding matrix itself, so it is left out (transformers re-ties it on load).
+    state = {k: v.detach().contiguous() for k, v in loaded.state_dict().items()
+             if not (tied and k == "lm_head.weight")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    if loaded.generation_config is not None:
+        loaded.generation_config.save_pretrained(str(out))
+    del state, loaded
+    gc.collect()
     tokenizer.save_pretrained(str(out))
+    template = gguf_chat_template(gguf)
+    if template is not None:
+        _set_chat_template(out, template)
     return out
+
+
+def gguf_chat_template(gguf: Path) -> str | None:
+    """The `tokenizer.chat_template` string of a GGUF file's metadata, or None."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields.get("tokenizer.chat_template")
+    if field is None or not field.data:
+        return None
+    value = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    return value if value.strip() else None
+
+
+def _set_chat_template(folder: Path, template: str) -> None:
+    """Write chat_template.jinja and mirror it into tokenizer_config.json."""
+    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    cfg_file = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    if isinstance(cfg, dict) and not isinstance(cfg.get("chat_template"), str):
+        cfg["chat_template"] = template
+        cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
 def read_config(folder: Path) -> dict[str, Any]:
