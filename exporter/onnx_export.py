@@ -58,6 +58,10 @@ def build_gqa(hf_dir: Path, out: Path, precision: str, provider: str, cache: Pat
     if precision not in _BUILDER_PRECISION:
         raise ExportError(f"precision {precision!r} is not available for the gqa-shared form")
     out.mkdir(parents=True, exist_ok=True)
+    if precision == "int4" and "op_types_to_quantize" not in extra:
+        # The embedding Gather too (GatherBlockQuantized): tied models share the LM head's
+        # 4-bit weights, untied ones get their own 4-bit table.
+        extra = {**extra, "op_types_to_quantize": "MatMul/Gather"}
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir),
            "-o", str(out), "-p", _BUILDER_PRECISION[precision], "-e", provider,
            "-c", str(cache)]

@@ -24,13 +24,14 @@ def _table_copies(onnx_file: Path, vocab: int, hidden: int) -> list[str]:
             if list(i.dims) in shapes and i.data_type == onnx.TensorProto.FLOAT]
 
 
-@pytest.mark.parametrize("graph", ["concat", "gqa-shared"])
-def test_tied_pair_is_lean_and_exact(tmp_path: Path, graph: str) -> None:
+@pytest.mark.parametrize(("graph", "tied"), [("concat", True), ("gqa-shared", True),
+                                             ("gqa-shared", False)])
+def test_pair_is_lean_and_exact(tmp_path: Path, graph: str, tied: bool) -> None:
     from specedge.exporter.pair import ExportOptions, export_pair
     from specedge.exporter.tiny import make_tiny_model
     from specedge.runtime.pair import GenerationConfig, Pair
 
-    hf = make_tiny_model("llama", tmp_path / "hf", seed=3, tied=True)
+    hf = make_tiny_model("llama", tmp_path / "hf", seed=3, tied=tied)
     out = tmp_path / "pair"
     report = export_pair(ExportOptions(target=str(hf), output=out, graph=graph,
                                        draft_precision="int4"))
@@ -39,7 +40,8 @@ def test_tied_pair_is_lean_and_exact(tmp_path: Path, graph: str) -> None:
         assert spec.validation["passed"]
         assert (out / name / "model.onnx.data").is_file()  # always external data
     vocab = report.manifest.vocab_size
-    assert len(_table_copies(out / "target" / "model.onnx", vocab, 64)) == 1  # tied: once
+    copies = _table_copies(out / "target" / "model.onnx", vocab, 64)
+    assert len(copies) == (1 if tied else 2)  # a tied table is stored once
     assert _table_copies(out / "draft" / "model.onnx", vocab, 64) == []  # int4 embedding too
     import onnx
 
