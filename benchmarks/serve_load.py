@@ -4,7 +4,8 @@ Usage: python benchmarks/serve_load.py [PAIR] [--requests 200] [--clients 8] [--
            [--solo 8] [--modes spec,plain] [--json OUT.json]
 
 For each mode a fresh server (`python -m specedge.serve_cli PAIR`, with `--no-speculation` for
-"plain") is started on 127.0.0.1. After a warm-up it answers `--solo` requests from one client
+"plain") is started on 127.0.0.1. After a warm-up (each distinct prompt of the load once, at the
+load's concurrency) it answers `--solo` requests from one client
 (batch-1 latency), then `--requests` streaming chat requests from `--clients` concurrent
 clients (greedy, prompts from benchmarks/prompts.jsonl, so both modes do the same work and must
 give the same text). Reported per mode: time to first token and per-token latency (p50/p95),
@@ -166,7 +167,10 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list[str]) -> ModeRes
     model = args.model or args.pair.name
     result = ModeResult(mode)
     try:
-        asyncio.run(drive(url, model, prompts, 3, 1, args.max_tokens))  # warm-up
+        # Warm-up: every prompt of the load once, so the RSS before the load already holds
+        # the buffers its longest prompts need (growth then means a leak, not a high-water mark).
+        asyncio.run(drive(url, model, prompts, min(args.requests, len(prompts)), args.clients,
+                          args.max_tokens))
         result.solo, _ = asyncio.run(drive(url, model, prompts, args.solo, 1, args.max_tokens))
         result.rss_before_mb = rss_mb(proc.pid)
         before = httpx.get(url + "/metrics").text
