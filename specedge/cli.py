@@ -830,7 +830,7 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
 
     for out in (json_out, plot_out):
         if out is not None:  # a full or read-only disk fails now, not after the measurements
-            _check_output_file(out)
+            _check_output_file(out, pair)
     if batches is not None:
         _bench_batches(pair, prompts_file, batches, ks, max_new_tokens, not no_adaptive,
                        not plain, load, json_out)
@@ -861,11 +861,15 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
         click.echo(f"wrote {written}" if written else "matplotlib is not installed: no plot")
 
 
-def _check_output_file(path: Path) -> None:
-    """Refuse an output file whose folder is missing or cannot take a report."""
+def _check_output_file(path: Path, pair: Path) -> None:
+    """Refuse an output file that would replace a file of the pair, is a folder, or whose
+    folder is missing or cannot take a report."""
     from specedge.runtime.manifest import check_writable
 
-    if path.is_dir():
+    real = path.expanduser().resolve()
+    if real.exists() and pair.resolve() in real.parents:
+        raise InputError(f"{path}: is a file of the pair {pair}; write the report elsewhere")
+    if real.is_dir():
         raise InputError(f"{path}: is a folder; give a file name")
     check_writable(path.expanduser().absolute().parent, what=str(path))
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 
-def _interrupt(cmd: list[str], after: float, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _interrupt(cmd: list[str], after: float, cwd: Path,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env={**os.environ, **(env or {})})
     time.sleep(after)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -30,24 +31,18 @@ def test_ctrl_c_during_export(tmp_path: Path, after: float) -> None:
 
     hf = make_tiny_model("llama", tmp_path / "hf", seed=5)
     out = tmp_path / "outdir" / "pair"
-    before = set(os.listdir(tempfile_dir()))
+    tmp = tmp_path / "tmp"  # a private TMPDIR: other processes' exports use the shared one
+    tmp.mkdir()
     result = _interrupt([sys.executable, "-m", "specedge.cli", "export", str(hf), "-o", str(out),
-                         "--draft-precision", "int4"], after, tmp_path)
+                         "--draft-precision", "int4"], after, tmp_path, {"TMPDIR": str(tmp)})
     if result.returncode == 0:
         pytest.skip("the export finished before the interrupt")
     assert result.returncode == 130, result.stderr
     assert "Traceback" not in result.stderr
     assert not out.exists()
     assert not [p for p in out.parent.iterdir()] if out.parent.exists() else True
-    leftovers = {p for p in set(os.listdir(tempfile_dir())) - before
-                 if p.startswith("specedge-export-")}
+    leftovers = [p.name for p in tmp.iterdir() if p.is_dir()]
     assert not leftovers
-
-
-def tempfile_dir() -> str:
-    import tempfile
-
-    return tempfile.gettempdir()
 
 
 def test_ctrl_c_during_generate(reference_pair_dir: Path, tmp_path: Path) -> None:
