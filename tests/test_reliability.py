@@ -146,6 +146,13 @@ _TEMPLATES = st.sampled_from([
     "{% for x in range(10**9) %}{% endfor %}",
     "{{ messages | tojson }}",
     "{% if %}",
+    # hostile: hang, or build text the tokenizer cannot hold (issue 18, item 2)
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(26) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}{{ ns.s }}",
+    "{{ 'a' * 1000000000 }}",
+    "{{ '{:>1000000000}'.format(messages | length) }}",
+    "{% for m in messages %}{{ m.content | center(1000000000) }}{% endfor %}",
 ])
 
 
@@ -170,7 +177,7 @@ def test_fuzz_chat_template(template: str, messages: list[dict[str, str]],
         assert isinstance(out, str)
     except InputError:
         pass  # a clear, typed error is the contract
-    assert time.perf_counter() - start < 30
+    assert time.perf_counter() - start < 5  # renders are bounded to ~1 s
 
 
 def test_errors_are_one_line(tiny_pair: Pair) -> None:
