@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -111,6 +112,8 @@ class Case:
     check: Callable[[World, str, str], None] | None = None  # (world, stdout, stderr)
     limit_s: float = 30.0
     prefix: list[str] = field(default_factory=list)  # interpreter code run before the CLI
+    signal: int | None = None  # sent once `marker` shows on stderr (the work is under way)
+    marker: str = ""
 
 
 def _code_for(case: Case) -> list[str]:
@@ -307,6 +310,11 @@ def _tune_full_disk(w: World) -> list[Any]:
     return ["tune", p, "--data", prompts, "--ks", "1", "--max-new-tokens", "4"]
 
 
+def _tune_long(w: World) -> list[Any]:
+    prompts = w.file("prompts.txt", "".join(f"Tell me about topic {i}.\n" for i in range(40)))
+    return ["tune", w.pair(), "--data", prompts, "--ks", "1,2", "--max-new-tokens", "48"]
+
+
 def _bench_full_disk(w: World) -> list[Any]:
     w.file("reports/.keep", "")
     return ["bench", w.pair(), "--ks", "1", "--repeats", "1", "--warmup", "0",
@@ -454,6 +462,11 @@ CASES = [
          child=True, fsize=1024),
     Case("leftovers", "bench --json on a full disk", _bench_full_disk, contains="cannot write",
          child=True, fsize=200),
+    *[Case("leftovers", f"{name} during tune", _tune_long, expect=128 + sig, child=True,
+           signal=sig, marker="prompt 1/", contains=word, limit_s=60)
+      for name, sig, word in (("SIGTERM", signal.SIGTERM, "terminated"),
+                              ("SIGINT", signal.SIGINT, "interrupted"),
+                              ("SIGHUP", signal.SIGHUP, "terminated"))],
     Case("leftovers", "bench --json into a missing folder",
          _plain("bench", "PAIR", "--json", "/nonexistent/dir/r.json"), contains="does not exist"),
     # -- crashes: invalid text, huge declared sizes, unbounded inputs
@@ -534,7 +547,6 @@ def _run(case: Case, world: World, args: list[Any], monkeypatch: pytest.MonkeyPa
         return result.exit_code, result.stdout, result.stderr
 
     import resource
-    import signal
 
     def limits() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
@@ -545,10 +557,19 @@ def _run(case: Case, world: World, args: list[Any], monkeypatch: pytest.MonkeyPa
     env = {**os.environ, "TMPDIR": str(world.tmp), "PYTHONDONTWRITEBYTECODE": "1"}
     stdin = case.stdin.encode() if isinstance(case.stdin, str) else case.stdin
     proc = subprocess.Popen([*_code_for(case), *argv], cwd=world.root, env=env,
-                            preexec_fn=limits, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            preexec_fn=limits, stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL if case.signal else subprocess.PIPE,
                             stderr=subprocess.PIPE)
     try:
-        if case.expect == 141:
+        if case.signal is not None:
+            assert proc.stderr is not None
+            seen = b""
+            while case.marker.encode() not in seen and proc.poll() is None:
+                seen += proc.stderr.read1(4096) if hasattr(proc.stderr, "read1") else b""
+            proc.send_signal(case.signal)
+            out, rest = proc.communicate(timeout=case.limit_s)
+            err = seen + rest
+        elif case.expect == 141:
             assert proc.stdout and proc.stdin and proc.stderr
             proc.stdout.close()  # the reader is gone before the first write
             proc.stdin.close()
@@ -583,6 +604,8 @@ def test_catalogue(case: Case, fixtures_dir: Path, tmp_path: Path,
         assert case.contains in lines[0], lines[0]
     elif case.expect == 141:
         assert err == "", err
+    elif case.signal is not None:
+        assert err.rstrip().endswith(case.contains), err[-500:]
     elif case.contains:
         assert case.contains in err, err
     if case.check is not None:
