@@ -1,7 +1,7 @@
 """Bounded load on `specedge serve`, speculation on vs off (issue 14).
 
 Usage: python benchmarks/serve_load.py [PAIR] [--requests 200] [--clients 8] [--max-tokens 32]
-           [--solo 8] [--modes spec,plain] [--json OUT.json]
+           [--solo 8] [--modes spec,plain] [--distinct N] [--json OUT.json]
 
 For each mode a fresh server (`python -m specedge.serve_cli PAIR`, with `--no-speculation` for
 "plain") is started on 127.0.0.1. After a warm-up (each distinct prompt of the load once, at the
@@ -239,11 +239,13 @@ def main() -> None:
     ap.add_argument("--modes", default="spec,plain")
     ap.add_argument("--model", default=None, help="Model id (default: the pair folder's name).")
     ap.add_argument("--prompts", type=Path, default=ROOT / "benchmarks" / "prompts.jsonl")
+    ap.add_argument("--distinct", type=int, default=0,
+                    help="Use only the first N prompts (0: all); the warm-up runs each once.")
     ap.add_argument("--json", dest="json_out", type=Path, default=None)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines()
-               if line.strip()]
+               if line.strip()][:args.distinct or None]
     results = []
     for mode in args.modes.split(","):
         print(f"running {mode}: {args.requests} requests from {args.clients} clients, "
