@@ -913,5 +913,17 @@ def inspect(pair: Path, no_verify: bool) -> None:
     click.echo(json_dumps(describe(load_manifest(pair, verify_hashes=not no_verify)), indent=2))
 
 
+def _register_commands() -> None:
+    """Commands that live in their own modules (they import this one lazily)."""
+    from specedge.doctor_cli import doctor
+    from specedge.serve_cli import serve
+
+    main.add_command(doctor)
+    main.add_command(serve)
+
+
+_register_commands()
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
