@@ -1,7 +1,8 @@
 """specedge against the systems users would pick instead, on the same files, in one run.
 
 Usage: python benchmarks/run.py PAIR [--prompts benchmarks/prompts.jsonl] [--max-new-tokens 128]
-                                [--hf-prompts 6] [--out docs/results/benchmarks.md]
+                                [--hf-prompts 6] [--limit N] [--out docs/results/benchmarks.md]
+                                [--llama-cpp [--llama-cpp-ggufs f32,q8_0,q4_0,q4_1]]
 
 1. Greedy, every prompt of the set, the configurations interleaved prompt by prompt (so drift
    hits all alike): specedge target-only / K=2 / K=3 / adaptive (default thread plan); ONNX
@@ -12,6 +13,13 @@ Usage: python benchmarks/run.py PAIR [--prompts benchmarks/prompts.jsonl] [--max
 3. Hugging Face transformers `generate`, target-only and `assistant_model` (an int8 dynamic copy
    of the target), on the first --hf-prompts prompts, with specedge on the same prompts. torch is
    imported only in this phase, after everything else.
+4. With --llama-cpp (off by default; needs .venv-bench from
+   benchmarks/anchors/setup_llama_cpp.sh and the GGUFs of benchmarks/anchors/make_ggufs.py):
+   llama.cpp through llama-cpp-python in a worker process (benchmarks/anchors/llama_cpp.py), on
+   the SAME prompt token ids, for each GGUF precision (f32 = the weights specedge exports, and
+   llama.cpp's own f16/Q8_0/Q4_0/Q4_1 of them): target-only at its best thread count and its
+   prompt-lookup decoding at its best (threads, K), both picked by a short pre-measurement on the
+   first prompts; interleaved prompt by prompt with the configurations of phase 1.
 Every figure is end to end per generation (prefill + decode, new tokens / seconds); decode-only
 figures are given for specedge and ORT GenAI too. Writes a markdown report and a JSON file.
 """
@@ -35,6 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from anchors import llama_cpp as llama_anchor  # noqa: E402  (client side: no llama_cpp import)
 from anchors import ort_genai  # noqa: E402
 
 from specedge.runtime.pair import GenerationConfig, Pair  # noqa: E402
@@ -96,6 +105,83 @@ def genai_run(model: Any, config: dict[str, Any], tally: Tally, name: str, ids: 
               r.proposed or 0, r.tokens)
 
 
+def llama_run(worker: llama_anchor.LlamaCppWorker, tally: Tally, name: str, gguf: str,
+              ids: list[int], max_new: int, **kw: Any) -> llama_anchor.LlamaRun:
+    time.sleep(PAUSE_S)
+    r = worker.generate(gguf, ids, max_new, **kw)
+    tally.add(name, r.new_tokens, r.prefill_seconds, r.seconds, r.accepted or 0, r.proposed or 0,
+              r.tokens)
+    return r
+
+
+def llama_measure(worker: llama_anchor.LlamaCppWorker, gguf: str, ids: list[list[int]],
+                  max_new: int, grid: list[tuple[str, int, int | None]]
+                  ) -> dict[tuple[str, int, int | None], float]:
+    """End-to-end tok/s of each (mode, threads, K) of ``grid``, interleaved prompt by prompt."""
+    sums = {g: [0.0, 0.0] for g in grid}
+    for prompt_ids in ids:
+        for mode, t, k in grid:
+            time.sleep(PAUSE_S)
+            r = worker.generate(gguf, prompt_ids, max_new, threads=t, mode=mode, k=k or 4)
+            sums[(mode, t, k)][0] += r.new_tokens
+            sums[(mode, t, k)][1] += r.e2e_seconds
+    return {g: v[0] / v[1] for g, v in sums.items()}
+
+
+def llama_setup(args: argparse.Namespace, ids: list[list[int]], max_new: int,
+                log_path: Path) -> tuple[llama_anchor.LlamaCppWorker, list[tuple[str, str, dict]],
+                                         dict[str, Any]]:
+    """Start the llama.cpp worker, load the GGUFs, pick each GGUF's best settings.
+
+    Pre-measurement (greedy, the first --llama-cpp-tune-prompts prompts, up to 32 new tokens,
+    configurations interleaved prompt by prompt): target-only at each thread count of
+    --llama-cpp-threads, then prompt lookup at the best of those thread counts for each K of
+    --llama-cpp-ks; the best end-to-end tok/s of each is what phase 1 runs. Returns the worker,
+    the phase-1 configurations (row name, GGUF name, generate kwargs) and the facts for the report.
+    """
+    ggufs = llama_anchor.parse_ggufs(args.llama_cpp_ggufs)
+    threads = [int(t) for t in args.llama_cpp_threads.split(",")]
+    ks = [int(k) for k in args.llama_cpp_ks.split(",")]
+    n_ctx = max(len(p) for p in ids) + max_new + max(ks + [args.llama_cpp_draft_k]) + 64
+    worker = llama_anchor.LlamaCppWorker(log=log_path.open("w"))
+    facts: dict[str, Any] = {"info": worker.info, "ggufs": {}, "tuning": {}, "chosen": {}}
+    for name, path in ggufs.items():
+        facts["ggufs"][name] = worker.load(name, path, n_ctx=n_ctx)
+    if args.llama_cpp_draft:
+        facts["ggufs"][args.llama_cpp_draft] = worker.load(
+            args.llama_cpp_draft, llama_anchor.parse_ggufs(args.llama_cpp_draft)[
+                args.llama_cpp_draft], n_ctx=n_ctx)
+    tune_ids = ids[: args.llama_cpp_tune_prompts]
+    tune_new = min(max_new, 32)
+    configs: list[tuple[str, str, dict]] = []
+    for name in ggufs:
+        worker.generate(name, tune_ids[0], 8, threads=threads[-1])  # warm-up
+        worker.generate(name, tune_ids[0], 8, threads=threads[-1], mode="pld", k=ks[0])
+        rates = llama_measure(worker, name, tune_ids, tune_new,
+                              [("target", t, None) for t in threads])
+        best_t = max(rates, key=lambda g: rates[g])
+        rates.update(llama_measure(worker, name, tune_ids, tune_new,
+                                   [("pld", best_t[1], k) for k in ks]))
+        best_p = max((g for g in rates if g[0] == "pld"), key=lambda g: rates[g])
+        facts["tuning"][name] = {f"{m} threads={t}" + (f" K={k}" if k else ""): round(rate, 1)
+                                 for (m, t, k), rate in rates.items()}
+        facts["chosen"][name] = {"target_threads": best_t[1], "pld_threads": best_p[1],
+                                 "pld_k": best_p[2]}
+        print(f"llama.cpp {name}: target-only best at {best_t[1]} threads "
+              f"({rates[best_t]:.1f} tok/s), prompt lookup best at K={best_p[2]}, "
+              f"{best_p[1]} threads ({rates[best_p]:.1f} tok/s)", flush=True)
+        configs.append((f"llama.cpp {name} target-only, {best_t[1]} thr", name,
+                        {"threads": best_t[1], "mode": "target"}))
+        configs.append((f"llama.cpp {name} prompt lookup K={best_p[2]}, {best_p[1]} thr", name,
+                        {"threads": best_p[1], "mode": "pld", "k": best_p[2]}))
+        if args.llama_cpp_draft and name != args.llama_cpp_draft:
+            configs.append((f"llama.cpp {name} draft {args.llama_cpp_draft} "
+                            f"K={args.llama_cpp_draft_k} (hook), {best_t[1]} thr", name,
+                            {"threads": best_t[1], "mode": "draft", "k": args.llama_cpp_draft_k,
+                             "draft": args.llama_cpp_draft}))
+    return worker, configs, facts
+
+
 def runtime_process_facts(pair_dir: Path) -> dict[str, Any]:
     """Import time, peak RSS and torch's absence for the runtime alone, in a fresh process."""
     code = (
@@ -121,7 +207,20 @@ def main() -> None:
     ap.add_argument("--hf-prompts", type=int, default=6)
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "benchmarks.md")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="add llama.cpp (llama-cpp-python in .venv-bench, GGUFs in .cache/gguf)")
+    ap.add_argument("--llama-cpp-ggufs", default="f32,q8_0,q4_0,q4_1",
+                    help="GGUF names from make_ggufs.py, or name=path, comma-separated")
+    ap.add_argument("--llama-cpp-threads", default="1,2", help="thread counts to pre-measure")
+    ap.add_argument("--llama-cpp-ks", default="2,3,4,5,6", help="prompt-lookup K to pre-measure")
+    ap.add_argument("--llama-cpp-tune-prompts", type=int, default=3)
+    ap.add_argument("--llama-cpp-draft", default="",
+                    help="GGUF name to draft for the others through the binding's draft_model "
+                         "hook (Python-side draft-model drafting; off by default)")
+    ap.add_argument("--llama-cpp-draft-k", type=int, default=3)
     args = ap.parse_args()
+    if args.llama_cpp and (reason := llama_anchor.unavailable()):
+        raise SystemExit(f"--llama-cpp: {reason}")
     started = time.time()
     prompts = load_prompts(args.prompts)
     if args.limit:
@@ -146,6 +245,12 @@ def main() -> None:
     }
     genai = {k: ort_genai.load(v) for k, v in folders.items()}
     rss["after_load"] = rss_mb()
+    llama_worker = None
+    llama_cfgs: list[tuple[str, str, dict]] = []
+    llama_facts: dict[str, Any] = {}
+    if args.llama_cpp:
+        llama_worker, llama_cfgs, llama_facts = llama_setup(args, ids, max_new,
+                                                            tmp / "llama_cpp_worker.log")
     greedy = SamplingParams()
     ours_cfgs = {
         "specedge target-only": GenerationConfig(max_new_tokens=max_new, drafter="none"),
@@ -175,6 +280,9 @@ def main() -> None:
             ours_run(pair, tally, name, prompt_ids, cfg)
         for name, key, k in genai_cfgs:
             genai_run(*genai[key], tally, name, prompt_ids, max_new, k)
+        if llama_worker is not None:
+            for name, gguf, kw in llama_cfgs:
+                llama_run(llama_worker, tally, name, gguf, prompt_ids, max_new, **kw)
         print(f"greedy {n + 1}/{len(ids)} done ({time.time() - started:.0f} s)", flush=True)
     # Phase 2: sampled, specedge only.
     sampled = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
@@ -188,7 +296,10 @@ def main() -> None:
     # Exactness across systems (greedy): identical token streams?
     base = tally.tokens["specedge target-only"]
     agree = {name: sum(a == b for a, b in zip(tally.tokens[name], base, strict=True))
-             for name in list(ours_cfgs) + [c[0] for c in genai_cfgs]}
+             for name in list(ours_cfgs) + [c[0] for c in genai_cfgs] + [c[0] for c in llama_cfgs]}
+    if llama_worker is not None:
+        llama_worker.close()
+        llama_facts["configs"] = {name: {"gguf": gguf, **kw} for name, gguf, kw in llama_cfgs}
     del genai
     # Phase 3: transformers (imports torch), on a subset, with specedge on the same prompts.
     hf_rows: dict[str, dict[str, float]] = {}
@@ -214,25 +325,80 @@ def main() -> None:
         hf_rows = {name: hf_tally.row(name) for name in hf_tally.data}
         rss["after_transformers"] = rss_mb()
     write_report(args, prompts, tally, agree, hf_rows, hf_note, facts, rss,
-                 time.time() - started, greedy)
+                 time.time() - started, greedy, llama_facts)
+
+
+PRECISION = {"f32": "fp32", "f16": "fp16", "q8_0": "int8", "q4_0": "int4", "q4_1": "int4",
+             "q4_1-orig": "int4"}
+
+
+def llama_report(llama: dict[str, Any], rows: dict[str, dict[str, float]], ours_t: float,
+                 ours_best: float, best_ours: str) -> list[str]:
+    """Bullets for the bar section: llama.cpp per GGUF precision against specedge's pair."""
+    info = llama["info"]
+    out = [
+        f"- llama.cpp: llama-cpp-python {info['llama_cpp_python']} built from source "
+        f"(.venv-bench), system info `{info['system_info'].strip()}`. Same prompt token ids; "
+        "thread count and prompt-lookup K picked per GGUF by a pre-measurement on the first "
+        "prompts (table at the end).",
+    ]
+    for gguf, chosen in llama["chosen"].items():
+        target = next(n for n in rows if n.startswith(f"llama.cpp {gguf} target-only"))
+        pld = next(n for n in rows if n.startswith(f"llama.cpp {gguf} prompt lookup"))
+        best = max((n for n in rows if n.startswith(f"llama.cpp {gguf} ")),
+                   key=lambda n: rows[n]["e2e"])
+        desc = llama["ggufs"][gguf]["desc"]
+        prec = PRECISION.get(gguf, gguf)
+        line = (f"- llama.cpp {gguf} ({desc}, weights {prec}): target-only "
+                f"{rows[target]['e2e']:.1f} tok/s ({chosen['target_threads']} thr), prompt lookup "
+                f"{rows[pld]['e2e']:.1f} (K={chosen['pld_k']}, {chosen['pld_threads']} thr, "
+                f"acceptance {rows[pld]['acceptance']:.2f}); best {rows[best]['e2e']:.1f}. ")
+        if prec == "fp32":
+            line += (f"Equal precision (specedge fp32 target): target-only "
+                     f"**{ours_t / rows[target]['e2e']:.2f}×**, specedge best ({best_ours}) ÷ "
+                     f"llama.cpp best **{ours_best / rows[best]['e2e']:.2f}×**.")
+        else:
+            line += (f"specedge's fp32-target best ÷ this: {ours_best / rows[best]['e2e']:.2f}× "
+                     f"(not equal precision: this run has no specedge {prec} target).")
+        out.append(line)
+    return out
+
+
+def llama_tuning_table(llama: dict[str, Any], tune_prompts: int) -> list[str]:
+    ggufs = list(llama["tuning"])
+    grid = list(dict.fromkeys(g for n in ggufs for g in llama["tuning"][n]))
+    lines = ["", f"## llama.cpp pre-measurement (tok/s e2e, first {tune_prompts} prompts, "
+             "up to 32 new tokens, configurations interleaved)", "",
+             "| configuration | " + " | ".join(ggufs) + " |", "|---|" + "---|" * len(ggufs)]
+    for g in grid:
+        cells = [f"{llama['tuning'][n][g]:.1f}" if g in llama["tuning"][n] else "–"
+                 for n in ggufs]
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally: Tally,
                  agree: dict[str, int], hf_rows: dict[str, dict[str, float]], hf_note: str,
                  facts: dict[str, Any], rss: dict[str, float], seconds: float,
-                 _greedy: SamplingParams) -> None:
+                 _greedy: SamplingParams, llama: dict[str, Any] | None = None) -> None:
     rows = {name: tally.row(name) for name in tally.data}
     genai_t = rows["ORT GenAI target-only, 2 threads"]["e2e"]
     ours_t = rows["specedge target-only"]["e2e"]
     cats: dict[str, int] = defaultdict(int)
     for p in prompts:
         cats[p.get("category", "?")] += 1
+    command = (f"python benchmarks/run.py {args.pair} --max-new-tokens {args.max_new_tokens} "
+               f"--hf-prompts {args.hf_prompts}" + (f" --limit {args.limit}" if args.limit else ""))
+    if llama:
+        command += f" --llama-cpp --llama-cpp-ggufs {args.llama_cpp_ggufs}"
+        if args.llama_cpp_draft:
+            command += (f" --llama-cpp-draft {args.llama_cpp_draft} --llama-cpp-draft-k "
+                        f"{args.llama_cpp_draft_k}")
     lines = [
-        "# specedge vs ONNX Runtime GenAI vs transformers",
+        "# specedge vs ONNX Runtime GenAI vs transformers" + (" vs llama.cpp" if llama else ""),
         "",
         f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {seconds / 60:.1f} min, "
-        f"`python benchmarks/run.py {args.pair} --max-new-tokens {args.max_new_tokens} "
-        f"--hf-prompts {args.hf_prompts}`.",
+        f"`{command}`.",
         f"Machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
         f"Python {platform.python_version()}, Linux {platform.release()}.",
         f"Pair: {args.pair} (SmolLM2-135M-Instruct fp32 target + int4 self-draft, both written "
@@ -257,6 +423,10 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
         r = rows[name]
         base = own["specedge"] if name.startswith("specedge") else (
             own["ORT GenAI default"] if "default" in name else own["ORT GenAI"])
+        if name.startswith("llama.cpp "):  # own base: target-only of the same GGUF
+            gguf = name.split()[1]
+            base = next(rows[n]["e2e"] for n in rows
+                        if n.startswith(f"llama.cpp {gguf} target-only"))
         acc = "–" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}"
         lines.append(f"| {name} | {r['e2e']:.1f} | {r['decode']:.1f} | {r['e2e'] / base:.2f} | "
                      f"{r['e2e'] / genai_t:.2f} | {acc} | {agree[name]}/{len(prompts)} |")
@@ -283,6 +453,8 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
             f"(**{hf_rows['specedge K=2']['e2e'] / hf_a:.1f}×** assisted; bar ≥ 3×), "
             f"specedge target-only {hf_rows['specedge target-only']['e2e']:.1f}.",
         ]
+    if llama:
+        lines += llama_report(llama, rows, ours_t, rows[best_ours]["e2e"], best_ours)
     lines += [
         f"- Runtime process alone (fresh process: import, load, one 64-token generation): import "
         f"{facts['import_s']:.2f} s, peak RSS {facts['peak_rss_mb']:.0f} MiB, torch loaded: "
@@ -301,6 +473,8 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
         r = rows[name]
         acc = "–" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}"
         lines.append(f"| {name} | {r['e2e']:.1f} | {r['decode']:.1f} | {acc} |")
+    if llama:
+        lines += llama_tuning_table(llama, args.llama_cpp_tune_prompts)
     speedups = [rows[n]["e2e"] for n in rows]
     del speedups
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -310,6 +484,7 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
     args.out.write_text("\n".join(lines) + "\n")
     args.out.with_suffix(".json").write_text(json.dumps(
         {"rows": rows, "agree": agree, "hf": hf_rows, "facts": facts, "rss": rss,
+         "llama_cpp": llama or None,
          "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
          "median_prompt_tokens": statistics.median(len(p["prompt"]) for p in prompts)},
         indent=2))
