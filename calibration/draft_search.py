@@ -158,7 +158,7 @@ def _measure_all(candidates: list[Candidate], base_folder: Path, prompts: list[l
     from specedge.runtime.backend import OrtModel
     from specedge.runtime.bench import measure_costs
 
-    base = Pair.load(base_folder, verify_hashes=False)
+    base = Pair.load(base_folder)  # verified: a skipped check would be logged as requested
     pairs: dict[Path, Pair] = {base_folder: base}
     for cand in candidates:
         if cand.folder not in pairs:
@@ -212,7 +212,7 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
                                          precision=opts.precision, draft_precision="int4"))
         candidates = [Candidate("int4 self-draft", base.folder, "model",
                                 time.perf_counter() - t0, peak_mib=_peak_rss_mib())]
-        pair = Pair.load(base.folder, verify_hashes=False)
+        pair = Pair.load(base.folder)
         eval_ids = [pair.encode_prompt(p, chat=True) for p in opts.eval_prompts]
         say("generating calibration text with the target")
         streams = []
