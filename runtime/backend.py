@@ -117,6 +117,12 @@ def physical_cores() -> int:
 _global_pool_threads: int | None = None
 
 
+def global_pool_active() -> bool:
+    """Whether this process runs ONNX Runtime sessions on the process-wide thread pool (then
+    every later session must join it)."""
+    return _global_pool_threads is not None
+
+
 def _ensure_global_pool(threads: int) -> int:
     """Create the process-wide intra-op pool once (later calls reuse it, whatever they ask)."""
     global _global_pool_threads

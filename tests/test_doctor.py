@@ -225,3 +225,13 @@ def test_diagnose_on_a_fake_jetson_gives_the_jetson_wheel(tmp_path: Path) -> Non
     if not cuda.in_build:  # a CPU onnxruntime: the fix is the Jetson AI Lab wheel, not PyPI's
         assert "pypi.jetson-ai-lab.io" in (cuda.fix or "")
     assert any("libcudart.so.12" == lib.soname for lib in report.libraries) or cuda.in_build
+
+
+def test_selftest_joins_the_process_wide_pool(tiny_pair_dir) -> None:  # noqa: ANN001
+    """After a Pair ran on ONNX Runtime's shared pool (the default thread plan), the in-process
+    self-test must join that pool (ONNX Runtime refuses per-session pools then)."""
+    from specedge.runtime.pair import Pair
+
+    Pair.load(tiny_pair_dir)
+    result = doc.run_self_test("cpu")
+    assert result["passed"], result
