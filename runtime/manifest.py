@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .engines import ENGINE_MODELS, ENGINE_PRECISIONS, EngineKey, EngineProfile, EngineSpec
 from .errors import ManifestError, OutputError
 
 FORMAT = "specedge.pair"
@@ -37,6 +38,9 @@ MAX_MANIFEST_BYTES = 16 << 20  # a real manifest is a few KiB; refuse to read a 
 MAX_TOKENIZER_FILE_BYTES = 256 << 20  # tokenizer.json of a 256k vocabulary is ~20 MiB
 MAX_DEPTH = 32  # nesting of the free-form objects (validation, source, provenance)
 MAX_NODES = 200_000  # values in one free-form object
+MAX_ENGINE_FILES = 64  # an EPContext model and its engine file(s)
+MAX_PROFILE_INPUTS = 4096  # inputs of one optimization profile (2 x layers + a few)
+MAX_PROFILE_RANK = 8
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +112,7 @@ class PairManifest:
     defaults: Defaults = field(default_factory=Defaults)
     provenance: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    engines: dict[str, EngineSpec] = field(default_factory=dict)  # model -> prebuilt engine
 
     def path(self, relative: str) -> Path:
         """Absolute path of a file named in the manifest (already confined at load)."""
@@ -131,6 +136,8 @@ class PairManifest:
         }
         if self.draft is not None:
             doc["models"]["draft"] = asdict(self.draft)
+        if self.engines:
+            doc["engines"] = {name: spec.to_json() for name, spec in self.engines.items()}
         return doc
 
 
@@ -344,6 +351,105 @@ def _parse_model(r: _Reader, root: Path) -> ModelSpec:
     )
 
 
+def _short_string(r: _Reader, name: str, limit: int = 200) -> str:
+    value: str = r.get(name, str)
+    if not 0 < len(value) <= limit:
+        r.fail(r.key(name), f"a string of 1 to {limit} characters", value)
+    return value
+
+
+def _profile(r: _Reader) -> EngineProfile:
+    """min / opt / max shapes: the same inputs and ranks in each, min <= opt <= max."""
+    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+    for kind in ("min", "opt", "max"):
+        kr = r.sub(kind)
+        assert kr is not None
+        if not 0 < len(kr.data) <= MAX_PROFILE_INPUTS:
+            kr.fail(kr.where, f"an object of 1 to {MAX_PROFILE_INPUTS} input shapes",
+                    f"<{len(kr.data)} entries>")
+        out: dict[str, tuple[int, ...]] = {}
+        for name, dims in kr.data.items():
+            key = kr.key(name)
+            if len(name) > 512 or not isinstance(dims, list) or \
+                    not 0 < len(dims) <= MAX_PROFILE_RANK or \
+                    not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 1 << 24
+                            for d in dims):
+                kr.fail(key, f"a list of 1 to {MAX_PROFILE_RANK} dimensions in [0, {1 << 24}]",
+                        dims)
+            out[name] = tuple(dims)
+        shapes[kind] = out
+    for name, low in shapes["min"].items():
+        opt, high = shapes["opt"].get(name), shapes["max"].get(name)
+        if opt is None or high is None or not len(low) == len(opt) == len(high) or \
+                not all(a <= b <= c for a, b, c in zip(low, opt, high, strict=True)):
+            r.fail(r.key(f"*.{name}"), "the same rank in min, opt and max with min <= opt <= max",
+                   [low, opt, high])
+    if set(shapes["min"]) != set(shapes["opt"]) or set(shapes["min"]) != set(shapes["max"]):
+        r.fail(r.where, "min, opt and max over the same inputs", sorted(shapes["max"]))
+    return EngineProfile(shapes["min"], shapes["opt"], shapes["max"])
+
+
+def _parse_engine(r: _Reader, root: Path) -> EngineSpec:
+    path = r.get("path", str)
+    confine(root, path, file=r.file, key=r.key("path"))
+    files = _file_map(r, "files", root)
+    if len(files) > MAX_ENGINE_FILES:
+        r.fail(r.key("files"), f"at most {MAX_ENGINE_FILES} files", f"<{len(files)} files>")
+    if path not in files:
+        r.fail(r.key("files"), f"an object that lists the EPContext model {path!r}", list(files))
+    kr = r.sub("key")
+    assert kr is not None
+    key = EngineKey(gpu=_short_string(kr, "gpu"),
+                    compute_capability=_short_string(kr, "compute_capability", 16),
+                    tensorrt=_short_string(kr, "tensorrt", 32),
+                    onnxruntime=_short_string(kr, "onnxruntime", 64))
+    pr = r.sub("profile")
+    assert pr is not None
+    return EngineSpec(path=path, files=files, key=key,
+                      precision=r.choice("precision", ENGINE_PRECISIONS),
+                      max_batch=r.int_in("max_batch", 1, 4096), profile=_profile(pr),
+                      source=_free_form(r, "source"))
+
+
+def _parse_engines(r: _Reader, root: Path, models: dict[str, ModelSpec | None]
+                   ) -> dict[str, EngineSpec]:
+    """The optional `engines` object: model name -> prebuilt TensorRT engine."""
+    er = r.sub("engines", required=False)
+    if er is None:
+        return {}
+    out: dict[str, EngineSpec] = {}
+    for name in er.data:
+        if name not in ENGINE_MODELS or models.get(name) is None:
+            er.fail(er.key(name), "an engine of a model of the pair ("
+                    + ", ".join(n for n in ENGINE_MODELS if models.get(n)) + ")", name)
+        sub = er.sub(name)
+        assert sub is not None
+        out[name] = _parse_engine(sub, root)
+    return out
+
+
+def engine_files_ready(manifest: PairManifest, model: str, *, verify_hashes: bool = True
+                       ) -> str | None:
+    """Check the files of `model`'s engine before it is loaded: None when they are all there
+    (and match their sha256), else why not (a missing file: the engines folder was not copied).
+
+    Engine files are optional artifacts, so they are not among the files every load requires.
+
+    Raises:
+        ManifestError: a file is there but its sha256 differs (tampered or corrupt).
+    """
+    engine = manifest.engines[model]
+    file = manifest.root / MANIFEST_NAME
+    for rel, digest in engine.files.items():
+        path = confine(manifest.root, rel, file=file, key=f"engines.{model}.files.{rel}")
+        if not path.is_file():
+            return f"{rel} is missing (copy the pair's engines folder, or rebuild)"
+        if verify_hashes and sha256_file(path) != digest:
+            raise ManifestError(f"{path}: sha256 does not match {file}; the engine is corrupt "
+                                "or was modified; rebuild it with `specedge build-engine`")
+    return None
+
+
 def parse_manifest(root: Path, doc: Any, *, file: Path | None = None) -> PairManifest:
     """Validate an untrusted manifest document and build a `PairManifest`.
 
@@ -414,6 +520,7 @@ def parse_manifest(root: Path, doc: Any, *, file: Path | None = None) -> PairMan
         defaults=defaults,
         provenance=_free_form(r, "provenance"),
         version=version,
+        engines=_parse_engines(r, root, {"target": target, "draft": draft}),
     )
 
 
@@ -643,4 +750,8 @@ def describe(manifest: PairManifest) -> Mapping[str, Any]:
                          "layers": spec.num_layers, "max_seq_len": spec.max_seq_len,
                          "validation": spec.validation}
     out["defaults"] = asdict(manifest.defaults)
+    if manifest.engines:
+        out["engines"] = {name: {"path": e.path, "precision": e.precision,
+                                 "max_batch": e.max_batch, "built_on": e.key.describe()}
+                          for name, e in manifest.engines.items()}
     return out

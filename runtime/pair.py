@@ -14,6 +14,8 @@ generator and statistics, so several threads may generate at once.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
@@ -26,8 +28,9 @@ import numpy as np
 from .backend import OrtModel, SessionConfig, physical_cores
 from .batch import BatchStats, RowRequest, decode_batch
 from .drafters import AdaptiveK, build_drafter, new_tuner
-from .errors import InputError
-from .manifest import PairManifest, load_manifest
+from .engines import EngineChoice, choose_engine, machine_key
+from .errors import InputError, ModelError
+from .manifest import ModelSpec, PairManifest, engine_files_ready, load_manifest
 from .policy import DRAFTER_CHOICES, DecodePlan, resolve_plan
 from .rounds import RowOutput, RowSampler
 from .sampling import SamplingParams
@@ -37,7 +40,8 @@ from .text import StopStrings, Tokenizer
 
 Prompt = str | Sequence[Mapping[str, str]]
 __all__ = ["DRAFTER_CHOICES", "BatchResult", "GenerationConfig", "GenerationResult", "Pair",
-           "Prompt", "ThreadPlan", "plan_threads"]
+           "Prompt", "ThreadPlan", "load_model", "plan_threads"]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,64 @@ def plan_threads(target_provider: str = "cpu", draft_provider: str = "cpu",
                       one(draft_provider, draft_threads, not shared_cpu, draft_default))
 
 
+def engine_choice(manifest: PairManifest, name: str, config: SessionConfig, *,
+                  verify_hashes: bool = True) -> EngineChoice:
+    """Whether model `name` loads its prebuilt TensorRT engine (see `engines.choose_engine`),
+    with its files checked.
+
+    Raises:
+        ManifestError: an engine file whose sha256 differs from the manifest.
+    """
+    import onnxruntime as ort
+
+    engine = manifest.engines.get(name)
+    spec = manifest.target if name == "target" else manifest.draft
+    if config.provider != "tensorrt" or spec is None:
+        return EngineChoice(None)
+    here, why = machine_key(config.device_id) if engine is not None else (None, None)
+    choice = choose_engine(name, engine, config.provider, ort.get_available_providers(), here,
+                           why, model_sha=spec.files.get(spec.path))
+    if choice.engine is not None:
+        missing = engine_files_ready(manifest, name, verify_hashes=verify_hashes)
+        if missing is not None:
+            return EngineChoice(None, f"{name} model: TensorRT engine not used ({missing}); "
+                                      f"running {spec.path} instead")
+    return choice
+
+
+def load_model(manifest: PairManifest, name: str, config: SessionConfig, *,
+               verify_hashes: bool = True) -> tuple[OrtModel, str | None]:
+    """Open model `name` ("target" or "draft") of a pair: its EPContext engine when the
+    provider is TensorRT and the engine was built for this machine, else its ONNX file.
+
+    Returns:
+        the model and, when an engine was listed or expected but not used, the one-line reason
+        (also logged as a warning).
+
+    Raises:
+        ManifestError, ModelError, InputError: as `OrtModel`.
+    """
+    spec = manifest.target if name == "target" else manifest.draft
+    assert spec is not None
+    choice = engine_choice(manifest, name, config, verify_hashes=verify_hashes)
+    model: OrtModel | None = None
+    message = choice.message
+    if choice.engine is not None:
+        # The EPContext model has the ONNX model's inputs and outputs: only the file changes.
+        engine_spec: ModelSpec = dataclasses.replace(spec, path=choice.engine.path,
+                                                     files=dict(choice.engine.files))
+        try:
+            model = OrtModel(manifest.root, engine_spec, name, config)
+        except ModelError as exc:  # e.g. TensorRT refuses to deserialize the engine
+            message = (f"{name} model: TensorRT engine {choice.engine.path} failed to load "
+                       f"({str(exc).split(': ', 1)[-1][:200]}); running {spec.path} instead")
+    if model is None:
+        model = OrtModel(manifest.root, spec, name, config)
+    if message:
+        log.warning("%s", message)
+    return model, message
+
+
 class Pair:
     """A loaded pair folder: target (+ draft) sessions, tokenizer and manifest."""
 
@@ -156,6 +218,8 @@ class Pair:
         # next such batch starts from what this device measured instead of from a prior.
         self._batch_tuners: dict[tuple[int, str, int], AdaptiveK] = {}
         self._tuner_lock = threading.Lock()
+        # Why a listed TensorRT engine was not used, per model (empty when none was skipped).
+        self.engine_notes: dict[str, str] = {}
 
     @classmethod
     def load(cls, path: str | Path, *, providers: str | Sequence[str] = "cpu",
@@ -192,11 +256,18 @@ class Pair:
                 f"{manifest.root / 'tokenizer.json'}: the tokenizer has {tokenizer.vocab_size} "
                 f"tokens but the models only {manifest.vocab_size}; re-export the pair"
             )
-        target = OrtModel(manifest.root, manifest.target, "target", plan.target)
+        notes: dict[str, str] = {}
+        target, note = load_model(manifest, "target", plan.target, verify_hashes=verify_hashes)
+        if note:
+            notes["target"] = note
         draft = None
         if manifest.draft is not None and load_draft:
-            draft = OrtModel(manifest.root, manifest.draft, "draft", plan.draft)
-        return cls(manifest, tokenizer, target, draft)
+            draft, note = load_model(manifest, "draft", plan.draft, verify_hashes=verify_hashes)
+            if note:
+                notes["draft"] = note
+        pair = cls(manifest, tokenizer, target, draft)
+        pair.engine_notes = notes
+        return pair
 
     # ------------------------------------------------------------------ prompts
 

@@ -1,0 +1,565 @@
+"""`specedge build-engine`: TensorRT engines for a pair, through ONNX Runtime's TensorRT EP.
+
+Each model of the pair is compiled by ONNX Runtime's TensorRT execution provider with one explicit
+optimization profile derived from the manifest, and dumped as an EPContext model (ONNX Runtime's
+"EP context" cache format: `trt_dump_ep_context_model`, `trt_ep_context_embed_mode` 0) whose
+single `com.microsoft.EPContext` node names the serialized engine beside it. The manifest then
+lists both files with their sha256, the profile and the key of the machine that built them
+(`runtime.engines.EngineKey`); the runtime loads them only on a machine with the same key.
+
+Graph form: TensorRT takes standard ONNX ops only. The `gqa-shared` form is built around ONNX
+Runtime contrib ops (`com.microsoft` GroupQueryAttention, SkipSimplifiedLayerNormalization,
+MatMulNBits for int4) that TensorRT's ONNX parser does not implement, so ONNX Runtime would cut
+the graph into TensorRT islands between CUDA-EP nodes, and the TensorRT EP dumps an EPContext
+model only for a graph it runs whole. Only `concat` pairs with no contrib op are accepted; the
+check reads the ONNX protobuf directly (no `onnx` package needed on the device).
+
+Profile (one; ONNX Runtime's TensorRT EP runs every input on profile 0): batch 1..B (opt B), new
+tokens 1..max_seq_len (opt K+1: the prefill feeds the whole prompt in one call, verification
+feeds K+1), past 0..max_seq_len-1 (opt max_seq_len/2), attention mask 1..max_seq_len+K+1 (ragged
+rows pad the past to the longest row). Unmeasured on any TensorRT machine here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specedge.runtime.engines import (
+    ENGINE_MODELS,
+    ENGINE_PRECISIONS,
+    TENSORRT_EP,
+    EngineKey,
+    EngineProfile,
+    EngineSpec,
+    key_mismatch,
+    machine_key,
+    profile_option,
+)
+from specedge.runtime.errors import ExportError, InputError, ManifestError
+from specedge.runtime.manifest import (
+    ModelSpec,
+    PairManifest,
+    copy_pair,
+    engine_files_ready,
+    load_manifest,
+    sha256_file,
+    write_manifest,
+)
+
+ENGINES_DIR = "engines"
+STANDARD_DOMAINS = ("", "ai.onnx")
+Dims = tuple[int | str | None, ...]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What `specedge build-engine` was asked to do.
+
+    Attributes:
+        pair: the pair folder.
+        output: write a copy of the pair with engines there (None: add them to `pair`).
+        batch: the largest batch the engines take (the profile's batch range is 1..batch).
+        precision: TensorRT build flags: "fp32", "fp16" (trt_fp16_enable) or "int8"
+            (trt_int8_enable + fp16; INT8 only applies to Q/DQ nodes, see docs/jetson.md).
+        force: rebuild engines the manifest already lists, and replace a non-empty --output.
+        device_id: the CUDA device to build on.
+    """
+
+    pair: Path
+    output: Path | None = None
+    batch: int = 1
+    precision: str = "fp16"
+    force: bool = False
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or \
+                not 1 <= self.batch <= 4096:
+            raise InputError(f"--batch must be an integer in [1, 4096], got {self.batch!r}")
+        if self.precision not in ENGINE_PRECISIONS:
+            raise InputError(f"precision must be one of {', '.join(ENGINE_PRECISIONS)}, got "
+                             f"{self.precision!r}")
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What `build_engines` did: the pair folder written, and per model its engine (or why
+    nothing was built: "up to date")."""
+
+    folder: Path
+    engines: dict[str, EngineSpec] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    skipped: str | None = None
+
+
+# ----------------------------------------------------------------------------- ONNX protobuf
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of one protobuf message: ints for varints, bytes for
+    length-delimited fields (fixed-width fields are skipped)."""
+    pos = 0
+    while pos < len(buf):
+        tag, pos = _varint(buf, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+            yield number, wire, value
+        elif wire == 2:
+            n, pos = _varint(buf, pos)
+            if pos + n > len(buf):
+                raise ValueError("a field runs past its message")
+            yield number, wire, buf[pos:pos + n]
+            pos += n
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+
+
+def _graph(path: Path) -> bytes:
+    """The GraphProto of an ONNX file (ModelProto field 7)."""
+    data = path.read_bytes()
+    for number, wire, value in _fields(data):
+        if number == 7 and wire == 2:
+            return bytes(value)
+    raise ValueError("no graph")
+
+
+@dataclass(frozen=True)
+class GraphSummary:
+    """The top-level nodes and inputs of an ONNX graph."""
+
+    nodes: list[tuple[str, str, dict[str, int | bytes]]]  # (domain, op_type, int/str attributes)
+    inputs: list[tuple[str, Dims]]  # graph inputs that are not initializers
+
+
+def read_graph(path: Path) -> GraphSummary:
+    """Top-level nodes (domain, op type, scalar attributes) and inputs of an ONNX file.
+
+    Raises:
+        ExportError: the file is not a well-formed ONNX protobuf.
+    """
+    try:
+        nodes: list[tuple[str, str, dict[str, int | bytes]]] = []
+        inputs: list[tuple[str, Dims]] = []
+        initializers: set[str] = set()
+        for number, wire, value in _fields(_graph(path)):
+            if wire != 2:
+                continue
+            if number == 1:  # NodeProto: op_type 4, domain 7, attribute 5
+                op, domain, attrs = "", "", {}
+                for n, _, v in _fields(value):
+                    if n == 4:
+                        op = v.decode()
+                    elif n == 7:
+                        domain = v.decode()
+                    elif n == 5:  # AttributeProto: name 1, i 3, s 4
+                        name, scalar = "", None
+                        for an, _, av in _fields(v):
+                            if an == 1:
+                                name = av.decode()
+                            elif an in (3, 4):
+                                scalar = av
+                        if scalar is not None:
+                            attrs[name] = scalar
+                nodes.append((domain, op, attrs))
+            elif number == 5:  # TensorProto initializer: name 8
+                initializers.update(v.decode() for n, _, v in _fields(value) if n == 8)
+            elif number == 11:  # ValueInfoProto: name 1, type 2
+                inputs.append(_value_info(value))
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise ExportError(f"{path}: not a readable ONNX file ({exc}); re-export the pair"
+                          ) from None
+    return GraphSummary(nodes, [(n, d) for n, d in inputs if n not in initializers])
+
+
+def _value_info(buf: bytes) -> tuple[str, Dims]:
+    name, dims = "", []
+    for n, _, v in _fields(buf):
+        if n == 1:
+            name = v.decode()
+        elif n == 2:  # TypeProto.tensor_type 1 -> shape 2 -> dim 1 -> value 1 | param 2
+            for tn, _, tv in _fields(v):
+                if tn != 1:
+                    continue
+                for sn, _, sv in _fields(tv):
+                    if sn != 2:
+                        continue
+                    for dn, _, dv in _fields(sv):
+                        if dn != 1:
+                            continue
+                        dim: int | str | None = None
+                        for kn, _, kv in _fields(dv):
+                            dim = kv if kn == 1 else kv.decode() if kn == 2 else dim
+                        dims.append(dim)
+    return name, tuple(dims)
+
+
+def contrib_ops(graph: GraphSummary) -> Counter[str]:
+    """Nodes outside the standard ONNX domain, e.g. {"com.microsoft.GroupQueryAttention": 2}."""
+    return Counter(f"{d}.{op}" for d, op, _ in graph.nodes if d not in STANDARD_DOMAINS)
+
+
+def check_graph_form(spec: ModelSpec, name: str, graph: GraphSummary) -> None:
+    """Refuse a model TensorRT cannot take whole.
+
+    Raises:
+        ExportError: the model is gqa-shared or has ONNX Runtime contrib ops (named, counted).
+    """
+    ops = contrib_ops(graph)
+    if spec.graph != "concat" or ops:
+        shown = ", ".join(f"{op} x{n}" for op, n in ops.most_common(4)) or "none"
+        raise ExportError(
+            f"{spec.path}: the {name} model is {spec.graph} with ONNX Runtime contrib ops "
+            f"({shown}) that TensorRT does not implement; for TensorRT export the pair with "
+            "--graph concat and float models (--precision fp16 --draft-precision fp16)")
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def profile_shapes(spec: ModelSpec, inputs: Sequence[tuple[str, Dims]], *, batch: int, k: int
+                   ) -> EngineProfile:
+    """The optimization profile of one model, from its ONNX inputs and the manifest.
+
+    Args:
+        spec: the model's manifest entry (input names, KV names, heads, head size, max length).
+        inputs: the graph's inputs as (name, dims); ints are static, str/None are dynamic.
+        batch: the largest batch (B).
+        k: the largest draft length (K): verification feeds K+1 tokens.
+
+    Returns:
+        min / opt / max of every input with a dynamic dimension (static inputs are left out).
+
+    Raises:
+        ExportError: an input the manifest does not name, or an unexpected rank.
+    """
+    n = spec.max_seq_len
+    past_opt = max(0, min(n - k - 1, n // 2))
+    # role -> (min, opt, max) of each dimension; None keeps the graph's static value
+    tokens = ((1, batch, batch), (1, k + 1, n))
+    roles: dict[str, tuple[tuple[int, int, int], ...]] = {
+        spec.input_ids: tokens,
+        spec.attention_mask: ((1, batch, batch), (1, past_opt + k + 1, n + k + 1)),
+    }
+    if spec.position_ids:
+        roles[spec.position_ids] = tokens
+    kv = ((1, batch, batch), (spec.num_kv_heads,) * 3, (0, past_opt, n - 1), (spec.head_dim,) * 3)
+    for i in range(spec.num_layers):
+        for pattern in (spec.kv.past_key, spec.kv.past_value):
+            roles[pattern.format(i=i)] = kv
+    low: dict[str, tuple[int, ...]] = {}
+    opt: dict[str, tuple[int, ...]] = {}
+    high: dict[str, tuple[int, ...]] = {}
+    for name, dims in inputs:
+        if all(isinstance(d, int) for d in dims):
+            continue
+        role = roles.get(name)
+        if role is None or len(role) != len(dims):
+            raise ExportError(
+                f"{spec.path}: input {name!r} {list(dims)} has a dynamic dimension the manifest "
+                "does not describe (expected its input_ids, attention_mask, position_ids and "
+                "KV inputs); re-export the pair")
+        ranges = [(d, d, d) if isinstance(d, int) else r for d, r in zip(dims, role, strict=True)]
+        low[name] = tuple(r[0] for r in ranges)
+        opt[name] = tuple(r[1] for r in ranges)
+        high[name] = tuple(r[2] for r in ranges)
+    return EngineProfile(low, opt, high)
+
+
+def provider_options(profile: EngineProfile, precision: str, folder: Path, *,
+                     device_id: int = 0) -> dict[str, Any]:
+    """The TensorRT EP options that build one engine with `profile` and dump it as an
+    EPContext model with the engine in a file beside it, both in `folder`."""
+    return {
+        "device_id": device_id,
+        "trt_fp16_enable": precision in ("fp16", "int8"),
+        "trt_int8_enable": precision == "int8",
+        "trt_engine_cache_enable": True,
+        "trt_engine_cache_path": str(folder),
+        "trt_timing_cache_enable": True,
+        "trt_timing_cache_path": str(folder),
+        "trt_dump_ep_context_model": True,
+        "trt_ep_context_file_path": str(folder),
+        "trt_ep_context_embed_mode": 0,  # the engine in its own file, named by a relative path
+        "trt_profile_min_shapes": profile_option(profile.min),
+        "trt_profile_opt_shapes": profile_option(profile.opt),
+        "trt_profile_max_shapes": profile_option(profile.max),
+    }
+
+
+# ----------------------------------------------------------------------------- availability
+
+
+def unavailable_message(available: Sequence[str], reason: str | None, jetson: bool) -> str:
+    """One line saying why TensorRT cannot build here and what to install."""
+    if TENSORRT_EP not in available:
+        wheel = ("the JetPack build of onnxruntime-gpu (pip uninstall -y onnxruntime && pip "
+                 "install onnxruntime-gpu --index-url https://pypi.jetson-ai-lab.io/jp6/cu126; "
+                 "TensorRT comes with JetPack)" if jetson else
+                 'onnxruntime-gpu with TensorRT (pip uninstall -y onnxruntime && pip install '
+                 '"onnxruntime-gpu[cuda,cudnn]" tensorrt-cu13-libs)')
+        return (f"build-engine needs ONNX Runtime's TensorRT execution provider, which this "
+                f"onnxruntime does not have (providers: {', '.join(available)}); install "
+                f"{wheel}, then check with `specedge doctor --providers tensorrt`")
+    fix = ("sudo apt install nvidia-jetpack" if jetson else
+           "pip install tensorrt-cu13-libs, and run on a machine with an NVIDIA GPU")
+    return (f"build-engine cannot run TensorRT here: {reason}; {fix}, then check with "
+            "`specedge doctor --providers tensorrt`")
+
+
+def require_tensorrt(device_id: int = 0) -> EngineKey:
+    """This machine's key, when TensorRT can build here.
+
+    Raises:
+        ExportError: one line saying what to install.
+    """
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    here, reason = machine_key(device_id)
+    if TENSORRT_EP in available and here is not None:
+        return here
+    jetson = Path("/etc/nv_tegra_release").is_file()
+    raise ExportError(unavailable_message(available, reason, jetson))
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def read_context_model(folder: Path, root: Path) -> tuple[str, dict[str, str]]:
+    """The EPContext model the TensorRT EP dumped in `folder` and the files it needs.
+
+    Returns:
+        (its path relative to `root`, {relative path: sha256} of it and its engine file).
+
+    Raises:
+        ExportError: no single context model, a node that is not an EPContext node (the graph
+            was split between TensorRT and another provider), an embedded engine, or an engine
+            path outside the folder.
+    """
+    found = sorted(p for p in folder.glob("*.onnx") if p.is_file())
+    if len(found) != 1:
+        raise ExportError(f"{folder}: the TensorRT EP wrote {len(found)} EPContext models, "
+                          "expected 1; run with `specedge -vv build-engine` to see its log")
+    ctx = found[0]
+    graph = read_graph(ctx)
+    others = Counter(f"{d}.{op}".lstrip(".") for d, op, _ in graph.nodes if op != "EPContext")
+    if others or not graph.nodes:
+        raise ExportError(f"{ctx}: TensorRT did not take the whole graph (left for other "
+                          f"providers: {dict(others.most_common(4))}); this graph cannot be "
+                          "one engine")
+    files = {ctx.relative_to(root).as_posix(): sha256_file(ctx)}
+    for _, _, attrs in graph.nodes:
+        cache = attrs.get("ep_cache_context")
+        if attrs.get("embed_mode", 0) != 0 or not isinstance(cache, bytes):
+            raise ExportError(f"{ctx}: the engine is embedded in the model, expected a file "
+                              "(trt_ep_context_embed_mode 0)")
+        rel = cache.decode(errors="replace")
+        engine = (folder / rel).resolve()
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or \
+                folder.resolve() not in engine.parents or not engine.is_file():
+            raise ExportError(f"{ctx}: its engine {rel!r} is not a file inside {folder}")
+        files[engine.relative_to(root.resolve()).as_posix()] = sha256_file(engine)
+    return ctx.relative_to(root).as_posix(), files
+
+
+def _warmup_feeds(session: Any, spec: ModelSpec) -> dict[str, np.ndarray]:
+    """Feeds of one small step (batch 1, 2 new tokens after 1 cached one) inside the profile."""
+    dtype = np.float16 if spec.kv.dtype == "float16" else np.float32
+    feeds: dict[str, np.ndarray] = {}
+    for inp in session.get_inputs():
+        if inp.name in (spec.input_ids, spec.position_ids):
+            feeds[inp.name] = np.array([[1, 2]], dtype=np.int64)
+        elif inp.name == spec.attention_mask:
+            feeds[inp.name] = np.ones((1, 3), dtype=np.int64)
+        else:
+            feeds[inp.name] = np.zeros((1, spec.num_kv_heads, 1, spec.head_dim), dtype=dtype)
+    return feeds
+
+
+def compile_model(root: Path, spec: ModelSpec, name: str, folder: Path, profile: EngineProfile,
+                  opts: EngineOptions, key: EngineKey) -> EngineSpec:
+    """Build one model's engine in `folder` (inside `root`) and describe it.
+
+    Raises:
+        ExportError: the TensorRT EP did not start or did not take the whole graph.
+    """
+    import onnxruntime as ort
+
+    folder.mkdir(parents=True, exist_ok=True)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    so.log_severity_level = 3
+    trt = provider_options(profile, opts.precision, folder, device_id=opts.device_id)
+    try:
+        session = ort.InferenceSession(str(root / spec.path), so,
+                                       providers=[(TENSORRT_EP, trt)])
+        if TENSORRT_EP not in session.get_providers():  # onnxruntime fell back silently
+            raise ExportError(f"{spec.path}: the TensorRT EP did not start for the {name} "
+                              "model; see `specedge doctor --providers tensorrt`")
+        session.run(None, _warmup_feeds(session, spec))  # the engine exists once this ran
+    except ExportError:
+        raise
+    except Exception as exc:  # onnxruntime raises its own exception types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ExportError(f"{spec.path}: TensorRT could not build the {name} model ({first})"
+                          ) from None
+    path, files = read_context_model(folder, root)
+    return EngineSpec(path=path, files=files, key=key, precision=opts.precision,
+                      max_batch=opts.batch, profile=profile,
+                      source={"path": spec.path, "sha256": spec.files[spec.path]})
+
+
+def up_to_date(manifest: PairManifest, key: EngineKey, opts: EngineOptions,
+               profiles: dict[str, EngineProfile]) -> bool:
+    """Whether the manifest already lists engines built here with these options and profiles,
+    from the current model files, and whose files are all present and intact."""
+    if set(manifest.engines) != set(profiles):
+        return False
+    for name, engine in manifest.engines.items():
+        spec = manifest.target if name == "target" else manifest.draft
+        assert spec is not None
+        if key_mismatch(engine.key, key) or engine.precision != opts.precision or \
+                engine.max_batch != opts.batch or engine.profile != profiles[name] or \
+                engine.source.get("sha256") != spec.files[spec.path]:
+            return False
+        try:
+            if engine_files_ready(manifest, name) is not None:
+                return False
+        except ManifestError:
+            return False
+    return True
+
+
+def _models(manifest: PairManifest) -> list[tuple[str, ModelSpec]]:
+    return [(n, s) for n, s in zip(ENGINE_MODELS, (manifest.target, manifest.draft),
+                                   strict=True) if s is not None]
+
+
+def plan_profiles(manifest: PairManifest, opts: EngineOptions) -> dict[str, EngineProfile]:
+    """Check every model's graph form and derive its profile (no TensorRT needed).
+
+    Raises:
+        ExportError: a model TensorRT cannot take whole, or inputs the manifest does not name.
+    """
+    profiles = {}
+    for name, spec in _models(manifest):
+        graph = read_graph(manifest.root / spec.path)
+        check_graph_form(spec, name, graph)
+        profiles[name] = profile_shapes(spec, graph.inputs, batch=opts.batch,
+                                        k=manifest.defaults.num_draft_tokens)
+    return profiles
+
+
+def build_engines(opts: EngineOptions, progress: Callable[[str], None] | None = None,
+                  *, compile_fn: Callable[..., EngineSpec] = compile_model,
+                  key_fn: Callable[[int], EngineKey] = require_tensorrt) -> BuildReport:
+    """Compile every model of a pair into a TensorRT EPContext engine and list them in its
+    manifest (in place, or in a copy at `opts.output`).
+
+    The pair is checked first (hashes, graph form, profile, TensorRT present), engines are
+    built in a temporary folder inside the output and moved into `engines/<model>/` only when
+    all were built; the manifest is rewritten last, atomically. A failure leaves the pair as it
+    was. `compile_fn` and `key_fn` are the TensorRT steps (tests on machines without TensorRT
+    replace them).
+
+    Raises:
+        InputError: engines already listed (without `force`), or an unusable --output.
+        ExportError: a graph TensorRT cannot take, TensorRT missing or failing.
+        ManifestError: the pair folder is missing, malformed or tampered.
+    """
+    say = progress or (lambda _msg: None)
+    manifest = load_manifest(opts.pair)
+    profiles = plan_profiles(manifest, opts)
+    key = key_fn(opts.device_id)
+    out = _output_folder(opts)
+    if out == manifest.root.resolve():
+        if up_to_date(manifest, key, opts, profiles) and not opts.force:
+            return BuildReport(folder=out, engines=dict(manifest.engines),
+                               skipped=f"up to date (built on {key.describe()})")
+        if manifest.engines and not opts.force:
+            built = "; ".join(f"{n}: {e.key.describe()}" for n, e in manifest.engines.items())
+            raise InputError(f"{out}: already lists TensorRT engines ({built}); pass --force "
+                             "to rebuild them here")
+        return _build_into(manifest, out, opts, profiles, key, say, compile_fn)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        copy_pair(manifest.root, stage)
+        staged = dataclasses.replace(load_manifest(stage, verify_hashes=False), engines={})
+        report = _build_into(staged, stage, opts, profiles, key, say, compile_fn)
+        from .pair import make_readable, replace_folder
+
+        make_readable(stage)
+        replace_folder(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return dataclasses.replace(report, folder=out)
+
+
+def _output_folder(opts: EngineOptions) -> Path:
+    if opts.output is None or opts.output.expanduser().resolve() == opts.pair.resolve():
+        return opts.pair.resolve()
+    from .pair import check_output
+
+    return check_output(opts.output, force=opts.force, inputs=[opts.pair])
+
+
+def _build_into(manifest: PairManifest, root: Path, opts: EngineOptions,
+                profiles: dict[str, EngineProfile], key: EngineKey,
+                say: Callable[[str], None], compile_fn: Callable[..., EngineSpec]
+                ) -> BuildReport:
+    """Build every engine under `root/engines/.build-*`, move them into place, then write the
+    manifest."""
+    base = root / ENGINES_DIR
+    base.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=base))
+    engines: dict[str, EngineSpec] = {}
+    seconds: dict[str, float] = {}
+    try:
+        for name, spec in _models(manifest):
+            say(f"building the {name} engine ({spec.path}, {opts.precision}, batch "
+                f"1..{opts.batch}) on {key.describe()}")
+            start = time.perf_counter()
+            engines[name] = compile_fn(root, spec, name, work / name, profiles[name], opts, key)
+            seconds[name] = time.perf_counter() - start
+        final: dict[str, EngineSpec] = {}
+        for name, engine in engines.items():
+            dest = base / name
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(work / name, dest)
+            old = f"{ENGINES_DIR}/{work.name}/{name}/"
+            new = f"{ENGINES_DIR}/{name}/"
+            final[name] = dataclasses.replace(
+                engine, path=engine.path.replace(old, new, 1),
+                files={rel.replace(old, new, 1): h for rel, h in engine.files.items()})
+        write_manifest(dataclasses.replace(manifest, engines=final), root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return BuildReport(folder=root, engines=final, seconds=seconds)
