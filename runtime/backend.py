@@ -18,11 +18,13 @@ the memory available.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,18 @@ class SessionConfig:
         shared_pool: run on the process-wide ONNX Runtime thread pool (created on first use
             with `intra_op_threads` threads) instead of a pool per session. Sessions that take
             turns on the same cores then share one set of spinning threads and never fight.
+        device_argmax: greedy verification takes the argmax where the logits are (the shipped
+            `data/greedy_head_*.onnx` graph on the model's provider) and copies only token ids
+            to the host. None: on for cuda / tensorrt, off for cpu (there the logits are on the
+            host already, and the extra session run costs more than numpy's argmax saves).
+            The tokens are the same either way (ties go to the lowest id, as numpy's argmax).
+        cuda_graph: capture each fixed-width step of a gqa-shared model as a CUDA graph and
+            replay it (the CUDA EP's `enable_cuda_graph`; one graph per block width and cache,
+            run option `gpu_graph_id`). Needs provider "cuda"; implies `fixed_buffers`.
+        fixed_buffers: bind every input and output of a step to buffers preallocated per cache
+            and width, and the attention mask at the cache's full length (the fixed addresses and
+            shapes a CUDA graph replays). Implied by `cuda_graph`; on its own it runs the same
+            steps without graphs (how the CPU tests check the layout token for token).
     """
 
     provider: str = "cpu"
@@ -82,12 +96,21 @@ class SessionConfig:
     device_id: int = 0
     trt_cache_dir: str | None = None
     shared_pool: bool = False
+    device_argmax: bool | None = None
+    cuda_graph: bool = False
+    fixed_buffers: bool = False
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDERS:
             raise InputError(
                 f"unknown execution provider {self.provider!r}; use one of "
                 f"{', '.join(PROVIDERS)}"
+            )
+        if self.cuda_graph and self.provider != "cuda":
+            raise InputError(
+                f"cuda_graph needs provider 'cuda' (CUDA graphs are the CUDA execution "
+                f"provider's), but this session's provider is {self.provider!r}; drop "
+                "cuda_graph or use provider 'cuda'"
             )
         if self.intra_op_threads < 0:
             raise InputError(f"threads must be >= 0, got {self.intra_op_threads}")
@@ -104,6 +127,16 @@ class SessionConfig:
     @property
     def device(self) -> str:
         return "cpu" if self.provider == "cpu" else "cuda"
+
+    @property
+    def argmax_on_device(self) -> bool:
+        """Whether greedy verification runs the greedy head where the logits are."""
+        return self.provider != "cpu" if self.device_argmax is None else self.device_argmax
+
+    @property
+    def fixed(self) -> bool:
+        """Whether steps run on fixed preallocated buffers (always with CUDA graphs)."""
+        return self.fixed_buffers or self.cuda_graph
 
 
 def physical_cores() -> int:
@@ -173,7 +206,7 @@ def _providers(config: SessionConfig) -> list[Any]:
         )
     if config.provider == "cpu":
         return ["CPUExecutionProvider"]
-    cuda = ("CUDAExecutionProvider", {"device_id": config.device_id})
+    cuda = ("CUDAExecutionProvider", cuda_provider_options(config))
     if config.provider == "cuda":
         return [cuda, "CPUExecutionProvider"]
     trt_opts: dict[str, Any] = {"device_id": config.device_id, "trt_fp16_enable": True}
@@ -181,6 +214,33 @@ def _providers(config: SessionConfig) -> list[Any]:
         trt_opts.update(trt_engine_cache_enable=True, trt_engine_cache_path=config.trt_cache_dir,
                         trt_timing_cache_enable=True)
     return [("TensorrtExecutionProvider", trt_opts), cuda, "CPUExecutionProvider"]
+
+
+def cuda_provider_options(config: SessionConfig) -> dict[str, str]:
+    """The CUDA execution provider's options for `config` (strings, as ONNX Runtime takes)."""
+    options = {"device_id": str(config.device_id)}
+    if config.cuda_graph:
+        options["enable_cuda_graph"] = "1"
+    return options
+
+
+NO_GRAPH = -1  # gpu_graph_id of a run that is neither captured nor replayed (e.g. a prefill)
+
+
+def graph_run_options(graph_id: int | None) -> ort.RunOptions | None:
+    """Run options that tie a run to CUDA graph `graph_id` (>= 1), or keep it out of graph
+    capture (`NO_GRAPH`); None: no CUDA graphs, plain runs.
+
+    ONNX Runtime captures a graph on the first runs with a new id and replays it afterwards;
+    id 0 is its own default, so a session with graphs on always says which id a run is.
+    """
+    if graph_id is None:
+        return None
+    if graph_id != NO_GRAPH and graph_id < 1:
+        raise AssertionError(f"CUDA graph ids start at 1, got {graph_id}")
+    options = ort.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", str(graph_id))
+    return options
 
 
 
@@ -292,48 +352,81 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 26 else f"{n / (1 << 20):.1f} MiB"
 
 
+def _allocate_kv(model: OrtModel, batch: int, max_len: int
+                 ) -> tuple[list[np.ndarray], list[ort.OrtValue]]:
+    """A model's KV buffers for `batch` rows of `max_len` tokens: host arrays (concat form) or
+    OrtValues on the model's device (gqa-shared).
+
+    Raises:
+        InputError: they would not fit the memory available.
+        ModelError: the allocation failed.
+    """
+    spec = model.spec
+    dtype = _NP_DTYPES[spec.kv.dtype]
+    shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
+    need = 2 * spec.num_layers * math.prod(shape) * np.dtype(dtype).itemsize
+    avail = available_memory(model.config.device)
+    if avail is not None and need > avail:
+        raise InputError(
+            f"the {model.name} model's KV cache needs {_gib(need)} ({batch} row(s) x "
+            f"{max_len} tokens) but {_gib(avail)} of memory is available; ask for fewer "
+            "new tokens (or rows), or free memory"
+        )
+    host: list[np.ndarray] = []
+    values: list[ort.OrtValue] = []
+    try:
+        for _ in range(2 * spec.num_layers):
+            if spec.graph == "gqa-shared":
+                values.append(ort.OrtValue.ortvalue_from_shape_and_type(
+                    shape, dtype, model.config.device, model.config.device_id))
+            else:
+                host.append(np.zeros(shape, dtype=dtype))
+    except Exception as exc:  # MemoryError, onnxruntime's allocation failures
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ModelError(
+            f"the {model.name} model: could not allocate its KV cache of {_gib(need)} "
+            f"({batch} row(s) x {max_len} tokens: {first}); ask for fewer new tokens (or "
+            "rows), or free memory"
+        ) from None
+    return host, values
+
+
 class KVCache:
     """Preallocated KV buffers of one model for one generation, with a valid length per row.
 
     Invariant: positions `[0, lengths[b])` of row b hold the keys/values of the tokens fed so
     far; anything beyond is garbage that the attention mask hides. Rollback shortens `lengths`.
+
+    With fixed buffers (CUDA graphs) the buffers come from the model's pool and go back to it when
+    the cache is dropped, so the next generation replays the graphs captured on them.
     """
 
-    def __init__(self, model: OrtModel, batch: int, max_len: int) -> None:
+    def __init__(self, model: OrtModel, batch: int, max_len: int, *,
+                 fixed: bool | None = None) -> None:
         spec = model.spec
         if not 1 <= max_len <= spec.max_seq_len:
             raise InputError(f"cache length {max_len} outside [1, {spec.max_seq_len}]")
         self.model, self.batch, self.max_len = model, batch, max_len
         self.lengths = np.zeros(batch, dtype=np.int64)
-        dtype = _NP_DTYPES[spec.kv.dtype]
-        shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
-        need = 2 * spec.num_layers * math.prod(shape) * np.dtype(dtype).itemsize
-        avail = available_memory(model.config.device)
-        if avail is not None and need > avail:
-            raise InputError(
-                f"the {model.name} model's KV cache needs {_gib(need)} ({batch} row(s) x "
-                f"{max_len} tokens) but {_gib(avail)} of memory is available; ask for fewer "
-                "new tokens (or rows), or free memory"
-            )
         self.host: list[np.ndarray] = []
         self.values: list[ort.OrtValue] = []
-        try:
-            for _ in range(2 * spec.num_layers):
-                if spec.graph == "gqa-shared":
-                    self.values.append(ort.OrtValue.ortvalue_from_shape_and_type(
-                        shape, dtype, model.config.device, model.config.device_id))
-                else:
-                    self.host.append(np.zeros(shape, dtype=dtype))
-        except Exception as exc:  # MemoryError, onnxruntime's allocation failures
-            self.host, self.values = [], []
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            raise ModelError(
-                f"the {model.name} model: could not allocate its KV cache of {_gib(need)} "
-                f"({batch} row(s) x {max_len} tokens: {first}); ask for fewer new tokens (or "
-                "rows), or free memory"
-            ) from None
+        self._fixed: FixedBuffers | None = None
+        if model.config.fixed if fixed is None else fixed:
+            self._fixed = model._take_fixed(batch, max_len)
+            self.values = self._fixed.values
+        else:
+            self._allocate()
         self._binding: Any = None
         self._logits: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def _allocate(self) -> None:
+        self.host, self.values = _allocate_kv(self.model, self.batch, self.max_len)
+
+    def __del__(self) -> None:
+        fixed = getattr(self, "_fixed", None)
+        if fixed is not None:
+            self._fixed = None
+            self.model._give_back(fixed)
 
     def rollback(self, lengths: np.ndarray | int) -> None:
         """Set the valid length of each row (O(1): nothing is recomputed or copied)."""
@@ -346,6 +439,119 @@ class KVCache:
         if (new > self.lengths).any() or (new < 0).any():
             raise AssertionError(f"rollback to {new} from {self.lengths}: can only shrink")
         self.lengths = new.copy()
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+MAX_FIXED_WIDTH = 16  # widest step run on fixed buffers (a graph each); wider: plain runs
+
+
+class FixedStep:
+    """The buffers of one block width in a `FixedBuffers`: token ids, position ids and logits,
+    an IO binding over them (and the KV and mask buffers), and the CUDA graph it replays."""
+
+    def __init__(self, model: OrtModel, fixed: FixedBuffers, width: int,
+                 graph_id: int | None) -> None:
+        spec, cfg = model.spec, model.config
+        shape = (fixed.batch, width)
+        self.ids = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.int64, cfg.device,
+                                                             cfg.device_id)
+        self.positions = ort.OrtValue.ortvalue_from_shape_and_type(
+            shape, np.int64, cfg.device, cfg.device_id) if spec.position_ids else None
+        self.logits = ort.OrtValue.ortvalue_from_shape_and_type(
+            (fixed.batch, width, model.logits_size), _NP_DTYPES[spec.logits_dtype], cfg.device,
+            cfg.device_id)
+        self.binding = model.session.io_binding()
+        for (past, present), value in zip(model._kv_names, fixed.values, strict=True):
+            self.binding.bind_ortvalue_input(past, value)
+            self.binding.bind_ortvalue_output(present, value)
+        self.binding.bind_ortvalue_input(spec.input_ids, self.ids)
+        self.binding.bind_ortvalue_input(spec.attention_mask, fixed.mask)
+        if self.positions is not None and spec.position_ids:
+            self.binding.bind_ortvalue_input(spec.position_ids, self.positions)
+        self.binding.bind_ortvalue_output(spec.logits, self.logits)
+        self.graph_id = graph_id
+        self.run_options = graph_run_options(graph_id)
+
+
+class FixedBuffers:
+    """A cache's buffers at fixed addresses: the KV buffers, the attention mask at the cache's
+    full length `[batch, max_len]` (ones over each row's valid prefix and new tokens, zeros
+    after, so its shape never changes), and a `FixedStep` per block width. A CUDA graph captured
+    on them replays with new contents, never new addresses; the model pools them per
+    (batch, max_len) for the next generation."""
+
+    def __init__(self, model: OrtModel, batch: int, max_len: int) -> None:
+        self.model, self.batch, self.max_len = model, batch, max_len
+        self.values: list[ort.OrtValue] = _allocate_kv(model, batch, max_len)[1]
+        cfg = model.config
+        self.mask = ort.OrtValue.ortvalue_from_shape_and_type((batch, max_len), np.int64,
+                                                              cfg.device, cfg.device_id)
+        self.mask_host = np.zeros((batch, max_len), np.int64)
+        self.steps: dict[int, FixedStep] = {}
+
+    def step(self, width: int) -> FixedStep:
+        step = self.steps.get(width)
+        if step is None:
+            graph_id = next(self.model._graph_ids) if self.model.config.cuda_graph else None
+            step = self.steps[width] = FixedStep(self.model, self, width, graph_id)
+        return step
+
+
+class GreedyHead:
+    """The greedy head graph (`data/greedy_head_<dtype>.onnx`, made by
+    scripts/make_greedy_head_onnx.py) in a session on a model's device: from logits left where
+    the model wrote them, the argmax ids (ties to the lowest id), per-position logit sums (the
+    finiteness check) and the rows that sample; only these cross to the host."""
+
+    def __init__(self, config: SessionConfig, logits_dtype: str, vocab: int) -> None:
+        if vocab >= 2**24:
+            raise InputError(f"the greedy head indexes tokens in float32: a vocabulary of "
+                             f"{vocab} is too large; turn device_argmax off")
+        path = resources.files(__package__).joinpath(f"data/greedy_head_{logits_dtype}.onnx")
+        own = replace(config, provider="cpu" if config.provider == "cpu" else "cuda",
+                      intra_op_threads=0 if global_pool_active() else 1, cuda_graph=False,
+                      fixed_buffers=False, device_argmax=False)
+        try:
+            self.session = ort.InferenceSession(str(path), _session_options(own),
+                                                providers=_providers(own))
+        except InputError:
+            raise
+        except Exception as exc:  # onnxruntime raises its own exception types
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise ModelError(f"{path}: ONNX Runtime could not load the greedy head ({first}); "
+                             "reinstall specedge, or turn device_argmax off") from None
+        self.index = ort.OrtValue.ortvalue_from_numpy(np.arange(vocab, dtype=np.float32),
+                                                      config.device, config.device_id)
+
+    def run(self, logits: ort.OrtValue, keep: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ids `[rows, positions]` int64, sums `[rows, positions]` float32 and the logits of
+        rows `keep` `[len(keep), positions, vocab]`, all in host memory."""
+        binding = self.session.io_binding()
+        binding.bind_ortvalue_input("logits", logits)
+        binding.bind_ortvalue_input("index", self.index)
+        binding.bind_cpu_input("keep", np.ascontiguousarray(keep, dtype=np.int64))
+        for name in ("ids", "sums", "kept"):
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        # Copies: on the CPU, numpy() views memory the binding owns.
+        ids, sums, kept = (np.array(v.numpy()) for v in binding.get_outputs())
+        return ids, sums, kept
+
+
+def _host(logits: ort.OrtValue | np.ndarray) -> np.ndarray:
+    """Logits in host memory, owned by the caller (a CPU OrtValue's numpy() is a view)."""
+    if isinstance(logits, np.ndarray):
+        return logits
+    arr = logits.numpy()
+    return arr.copy() if logits.device_name().lower() == "cpu" else arr
+
+
+def _value(logits: ort.OrtValue | np.ndarray) -> ort.OrtValue:
+    """Logits as an OrtValue (host arrays are wrapped, not copied)."""
+    if isinstance(logits, np.ndarray):
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(logits))
+    return logits
 
 
 class OrtModel:
@@ -366,9 +572,14 @@ class OrtModel:
                 f"{path}: ONNX Runtime could not load the {name} model ({first[:300]}); the file "
                 "may be truncated or corrupt: re-export the pair"
             ) from None
+        if config.fixed and spec.graph != "gqa-shared":
+            raise InputError(
+                f"{path}: fixed buffers and CUDA graphs need a gqa-shared model (the KV cache "
+                f"bound in place), but the manifest says {spec.graph!r}; re-export the pair "
+                "without --graph concat, or turn cuda_graph off"
+            )
         self.vocab_ids = self._load_vocab_ids(root)
         self.logits_size = spec.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
-        self._check_io()
         self._kv_names = [
             (spec.kv.past_key.format(i=i), spec.kv.present_key.format(i=i))
             for i in range(spec.num_layers)
@@ -376,6 +587,12 @@ class OrtModel:
             (spec.kv.past_value.format(i=i), spec.kv.present_value.format(i=i))
             for i in range(spec.num_layers)
         ]
+        # Fixed buffers not in use, per (batch, max_len), and the next CUDA graph id.
+        self._pool: dict[tuple[int, int], list[FixedBuffers]] = {}
+        self._graph_ids = itertools.count(1)
+        self._check_io()
+        self.head = (GreedyHead(config, spec.logits_dtype, self.logits_size)
+                     if config.argmax_on_device else None)
         self.calls = 0
 
     def _check_external_data(self, root: Path) -> None:
@@ -475,12 +692,12 @@ class OrtModel:
 
     def _probe_logits_width(self) -> int:
         """The logits width of a graph that leaves it symbolic: one 1-token call."""
-        cache = self.new_cache(1, 2)
+        cache = KVCache(self, 1, min(2, self.spec.max_seq_len), fixed=False)
         tokens = np.zeros((1, 1), dtype=np.int64)
         mask = np.ones((1, 1), dtype=np.int64)
         try:
             run = self._run_shared if self.spec.graph == "gqa-shared" else self._run_concat
-            width = int(run(cache, tokens, mask).shape[-1])
+            width = int(_host(run(cache, tokens, mask)).shape[-1])
         except Exception as exc:  # onnxruntime raises its own exception types
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise ModelError(
@@ -491,10 +708,22 @@ class OrtModel:
         return width
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
-        """A cache for `batch` rows of up to `max_len` tokens (at least `min_cache_len`)."""
+        """A cache for `batch` rows of up to `max_len` tokens (at least `min_cache_len`).
+
+        With fixed buffers the length is rounded up to a power of two (at least 64), so that
+        generations of similar lengths share pooled buffers and their captured graphs."""
         spec = self.spec
         length = min(spec.max_seq_len, max(max_len or spec.max_seq_len, spec.min_cache_len))
+        if self.config.fixed:
+            length = min(spec.max_seq_len, max(64, 1 << (length - 1).bit_length()))
         return KVCache(self, batch, length)
+
+    def _take_fixed(self, batch: int, max_len: int) -> FixedBuffers:
+        free = self._pool.get((batch, max_len))
+        return free.pop() if free else FixedBuffers(self, batch, max_len)
+
+    def _give_back(self, fixed: FixedBuffers) -> None:
+        self._pool.setdefault((fixed.batch, fixed.max_len), []).append(fixed)
 
     def forward(self, cache: KVCache, tokens: np.ndarray) -> np.ndarray:
         """Feed `tokens` after each row's cached prefix and return their logits.
@@ -510,6 +739,38 @@ class OrtModel:
             InputError: the cache would overflow its length.
             ModelError: the model produced NaN or inf logits.
         """
+        logits = _host(self._step(cache, tokens))
+        if logits is cache._logits.get(logits.shape):
+            logits = logits.copy()  # the cache's own buffer, which the next call overwrites
+        if not math.isfinite(float(logits.sum(dtype=np.float64))):
+            raise self._not_finite()
+        return logits
+
+    def forward_argmax(self, cache: KVCache, tokens: np.ndarray) -> np.ndarray:
+        """As `forward`, but return only the argmax of each position's logits: ids
+        `[batch, new]` int64 (ties to the lowest id, as numpy's argmax).
+
+        With `SessionConfig.argmax_on_device` the greedy head takes it where the logits are and
+        only the ids cross to the host; otherwise numpy takes it from the host logits. Both
+        give the same ids, and both raise `ModelError` on NaN or inf logits.
+        """
+        if self.head is None:
+            return np.argmax(self.forward(cache, tokens), axis=-1).astype(np.int64)
+        ids, sums, _ = self.head.run(_value(self._step(cache, tokens)), _NO_ROWS)
+        if not np.isfinite(sums).all():
+            raise self._not_finite()
+        return ids
+
+    def _not_finite(self) -> ModelError:
+        return ModelError(
+            f"the {self.name} model ({self.spec.path}) produced NaN or inf logits; check its "
+            "precision (fp16 overflow?) and re-export or re-quantize it"
+        )
+
+    def _step(self, cache: KVCache, tokens: np.ndarray) -> ort.OrtValue | np.ndarray:
+        """Run `tokens` after each row's cached prefix; the logits where the run left them (an
+        OrtValue on the model's device, or a host array; either may be reused by the next
+        call on `cache`)."""
         batch, new = tokens.shape
         lengths = cache.lengths
         total = int(lengths.max()) + new
@@ -534,11 +795,6 @@ class OrtModel:
             ) from None
         cache.lengths = lengths + new
         self.calls += 1
-        if not math.isfinite(float(logits.sum(dtype=np.float64))):
-            raise ModelError(
-                f"the {self.name} model ({self.spec.path}) produced NaN or inf logits; check "
-                "its precision (fp16 overflow?) and re-export or re-quantize it"
-            )
         return logits
 
     def forward_rows(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
@@ -554,6 +810,46 @@ class OrtModel:
         Returns:
             logits `[len(rows), tokens.shape[1], vocab]`; entries past `new_lens[i]` are padding.
         """
+        logits, valid = self._rows_step(cache, rows, tokens, new_lens)
+        out = _host(logits)
+        if not math.isfinite(float(out[valid].sum(dtype=np.float64))):
+            raise self._not_finite()
+        return out
+
+    def forward_rows_greedy(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
+                            new_lens: np.ndarray, greedy: np.ndarray
+                            ) -> tuple[np.ndarray, np.ndarray]:
+        """`forward_rows` for a batch where the rows with `greedy[i]` need only the argmax.
+
+        Returns:
+            ids `[len(rows), width]` int64: each position's argmax for greedy rows (ties to the
+            lowest id), -1 for the others; and the logits of the other rows, in order
+            `[count(~greedy), width, vocab]`. With `argmax_on_device` the greedy head computes
+            both where the logits are, so the greedy rows' logits never reach the host.
+
+        Raises:
+            ModelError: NaN or inf logits at a fed position.
+        """
+        greedy = np.asarray(greedy, dtype=bool)
+        logits, valid = self._rows_step(cache, rows, tokens, new_lens)
+        if self.head is not None:
+            ids, sums, kept = self.head.run(_value(logits), np.flatnonzero(~greedy))
+            if not np.isfinite(sums[valid]).all():
+                raise self._not_finite()
+        else:
+            host = _host(logits)
+            if not math.isfinite(float(host[valid].sum(dtype=np.float64))):
+                raise self._not_finite()
+            ids = np.full(tokens.shape, -1, np.int64)
+            ids[greedy] = np.argmax(host[greedy], axis=-1)
+            kept = host[~greedy]
+        ids[~greedy] = -1
+        return ids, kept
+
+    def _rows_step(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
+                   new_lens: np.ndarray) -> tuple[ort.OrtValue | np.ndarray, np.ndarray]:
+        """The run of `forward_rows`: the logits where the run left them (device OrtValue, or
+        host array) and which positions were fed `[len(rows), width]` bool."""
         if self.spec.graph != "concat":
             raise InputError(
                 f"{self.spec.path}: batched speculative decoding needs a concat-form graph (ONNX "
@@ -581,31 +877,48 @@ class OrtModel:
             feeds[self.spec.position_ids] = np.minimum(positions, self.spec.max_seq_len - 1)
         for (name, _), buf in zip(self._kv_names, cache.host, strict=True):
             feeds[name] = buf[rows, :, :past]  # fancy indexing: a contiguous copy
-        names = [self.spec.logits] + [present for _, present in self._kv_names]
         try:
-            outs = self.session.run(names, feeds)
+            logits, presents = self._run_rows(feeds)
         except Exception as exc:  # onnxruntime raises its own exception types
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ModelError(f"the {self.name} model ({self.spec.path}) failed to run "
                              f"({first[:300]}); re-export the pair") from None
-        for buf, present in zip(cache.host, outs[1:], strict=True):
+        for buf, present in zip(cache.host, presents, strict=True):
             for i, row in enumerate(rows):
                 start, n = lengths[i], new_lens[i]
                 buf[row, :, start:start + n] = present[i, :, past:past + n]
         cache.lengths[rows] = lengths + new_lens
         self.calls += 1
-        logits = np.asarray(outs[0])
-        valid = np.arange(width)[None, :] < new_lens[:, None]
-        if not math.isfinite(float(logits[valid].sum(dtype=np.float64))):
-            raise ModelError(
-                f"the {self.name} model ({self.spec.path}) produced NaN or inf logits; check "
-                "its precision (fp16 overflow?) and re-export or re-quantize it")
-        return logits
+        return logits, np.arange(width)[None, :] < new_lens[:, None]
+
+    def _run_rows(self, feeds: dict[str, Any]
+                  ) -> tuple[ort.OrtValue | np.ndarray, list[np.ndarray]]:
+        """One concat-form run: the logits (left on the device off the CPU) and the presents
+        (host)."""
+        presents = [present for _, present in self._kv_names]
+        if self.config.provider == "cpu":
+            outs = self.session.run([self.spec.logits, *presents], feeds)
+            return np.asarray(outs[0]), outs[1:]
+        binding = self.session.io_binding()
+        for name, arr in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(arr))
+        for name in presents:
+            binding.bind_output(name, "cpu")
+        binding.bind_output(self.spec.logits, self.config.device, self.config.device_id)
+        self.session.run_with_iobinding(binding)
+        values = binding.get_outputs()  # in binding order: the presents, then the logits
+        return values[-1], [v.numpy() for v in values[:-1]]
 
     def _positions(self, cache: KVCache, new: int) -> np.ndarray:
         return cache.lengths[:, None] + np.arange(new, dtype=np.int64)[None, :]
 
-    def _run_shared(self, cache: KVCache, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def _run_shared(self, cache: KVCache, tokens: np.ndarray, mask: np.ndarray
+                    ) -> ort.OrtValue | np.ndarray:
+        fixed = cache._fixed
+        width = tokens.shape[1]
+        if fixed is not None and width <= MAX_FIXED_WIDTH and (
+                cache.batch == 1 or bool(cache.lengths.any())):
+            return self._run_fixed(fixed, cache, tokens)
         binding = cache._binding
         if binding is None:
             # The KV bindings never change: bind them once per cache.
@@ -617,24 +930,40 @@ class OrtModel:
         binding.bind_cpu_input(self.spec.input_ids, np.ascontiguousarray(tokens, dtype=np.int64))
         binding.bind_cpu_input(self.spec.attention_mask, mask)
         if self.spec.position_ids:
-            binding.bind_cpu_input(self.spec.position_ids, self._positions(cache, tokens.shape[1]))
+            binding.bind_cpu_input(self.spec.position_ids, self._positions(cache, width))
+        # A session with CUDA graphs must be told that this run (a prefill, a batch's first
+        # call or a wide block) is neither captured nor replayed.
+        options = graph_run_options(NO_GRAPH) if self.config.cuda_graph else None
         if self.config.provider == "cpu":
             # Write the logits into a host buffer kept per shape: no per-call allocation, and no
             # Python wrappers for the 2 * layers present outputs (get_outputs would build them).
-            shape = (tokens.shape[0], tokens.shape[1], self.logits_size)
+            shape = (tokens.shape[0], width, self.logits_size)
             buf = cache._logits.get(shape)
             if buf is None:
                 buf = cache._logits[shape] = np.empty(shape, dtype=_NP_DTYPES[
                     self.spec.logits_dtype])
             binding.bind_output(self.spec.logits, "cpu", 0, buf.dtype, list(shape),
                                 buf.ctypes.data)
-            self.session.run_with_iobinding(binding)
-            return buf.copy()
-        binding.bind_output(self.spec.logits, "cpu")
-        self.session.run_with_iobinding(binding)
-        out = binding.get_outputs()
+            self.session.run_with_iobinding(binding, options)
+            return buf
+        binding.bind_output(self.spec.logits, self.config.device, self.config.device_id)
+        self.session.run_with_iobinding(binding, options)
         # Outputs come back in binding order: the 2*layers presents first, then the logits.
-        return np.asarray(out[len(self._kv_names)].numpy())
+        return binding.get_outputs()[len(self._kv_names)]
+
+    def _run_fixed(self, fixed: FixedBuffers, cache: KVCache, tokens: np.ndarray
+                   ) -> ort.OrtValue:
+        """A step on the cache's fixed buffers: new contents, same addresses and shapes (the
+        mask spans the whole cache), so a CUDA graph captured on them replays."""
+        step = fixed.step(tokens.shape[1])
+        step.ids.update_inplace(np.ascontiguousarray(tokens, dtype=np.int64))
+        fixed.mask_host[:] = np.arange(cache.max_len)[None, :] < (
+            cache.lengths + tokens.shape[1])[:, None]
+        fixed.mask.update_inplace(fixed.mask_host)
+        if step.positions is not None:
+            step.positions.update_inplace(self._positions(cache, tokens.shape[1]))
+        self.session.run_with_iobinding(step.binding, step.run_options)
+        return step.logits
 
     def _run_concat(self, cache: KVCache, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
         past_len = int(cache.lengths.max())
