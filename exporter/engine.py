@@ -430,6 +430,16 @@ def compile_model(root: Path, spec: ModelSpec, name: str, folder: Path, profile:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ExportError(f"{spec.path}: TensorRT could not build the {name} model ({first})"
                           ) from None
+    return describe_engine(root, spec, folder, profile, opts, key)
+
+
+def describe_engine(root: Path, spec: ModelSpec, folder: Path, profile: EngineProfile,
+                    opts: EngineOptions, key: EngineKey) -> EngineSpec:
+    """The manifest entry of the engine the TensorRT EP dumped in `folder` for `spec`.
+
+    Raises:
+        ExportError: as `read_context_model`.
+    """
     path, files = read_context_model(folder, root)
     return EngineSpec(path=path, files=files, key=key, precision=opts.precision,
                       max_batch=opts.batch, profile=profile,
@@ -537,6 +547,7 @@ def _build_into(manifest: PairManifest, root: Path, opts: EngineOptions,
     """Build every engine under `root/engines/.build-*`, move them into place, then write the
     manifest."""
     base = root / ENGINES_DIR
+    created = not base.exists()
     base.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=base))
     engines: dict[str, EngineSpec] = {}
@@ -562,4 +573,6 @@ def _build_into(manifest: PairManifest, root: Path, opts: EngineOptions,
         write_manifest(dataclasses.replace(manifest, engines=final), root)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if created and not any(base.iterdir()):
+            base.rmdir()  # a failed first build leaves the pair as it was
     return BuildReport(folder=root, engines=final, seconds=seconds)
