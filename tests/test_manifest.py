@@ -553,3 +553,55 @@ def test_fuzz_mutated_manifest(tiny_pair_dir: Path, valid_doc: Doc, data: st.Dat
     if m is not None:
         # Whatever was accepted must survive a round trip unchanged.
         assert parse_manifest(tiny_pair_dir, m.to_json()).to_json() == m.to_json()
+
+
+# An `engines` entry as `specedge build-engine` writes it (parsing does not open the files).
+ENGINE_ENTRY: Doc = {
+    "path": "engines/target/model_ctx.onnx",
+    "files": {"engines/target/model_ctx.onnx": "0" * 64,
+              "engines/target/TensorrtExecutionProvider_TRTKernel_sm87.engine": "1" * 64},
+    "key": {"gpu": "Orin", "compute_capability": "8.7", "tensorrt": "10.3.0",
+            "onnxruntime": "1.20.0"},
+    "precision": "fp16",
+    "max_batch": 4,
+    "profile": {"min": {"input_ids": [1, 1], "past_key_values.0.key": [1, 2, 0, 16]},
+                "opt": {"input_ids": [4, 4], "past_key_values.0.key": [4, 2, 256, 16]},
+                "max": {"input_ids": [4, 512], "past_key_values.0.key": [4, 2, 511, 16]}},
+    "source": {"path": "target/model.onnx", "sha256": "0" * 64},
+}
+
+
+def test_engines_entry_round_trips(tiny_pair_dir: Path, valid_doc: Doc) -> None:
+    doc = copy.deepcopy(valid_doc)
+    doc["engines"] = {"target": copy.deepcopy(ENGINE_ENTRY)}
+    m = parse_manifest(tiny_pair_dir, doc)
+    assert m.engines["target"].profile.max["input_ids"] == (4, 512)
+    assert m.to_json()["engines"] == doc["engines"]
+    assert "engines" not in parse_manifest(tiny_pair_dir, valid_doc).to_json()
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_mutated_engines_entry(tiny_pair_dir: Path, valid_doc: Doc,
+                                    data: st.DataObject) -> None:
+    """Any mutation of the engines entry parses or is one ManifestError naming the file."""
+    doc = copy.deepcopy(valid_doc)
+    doc["engines"] = {"target": copy.deepcopy(ENGINE_ENTRY)}
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        locations = _locations(doc["engines"])
+        if not locations:
+            break
+        where = data.draw(st.sampled_from(locations), label="where")
+        parent = doc["engines"]
+        for part in where[:-1]:
+            parent = parent[part]
+        if data.draw(st.booleans(), label="delete"):
+            del parent[where[-1]]
+        else:
+            parent[where[-1]] = data.draw(json_values, label="value")
+    m = _parse_or_manifest_error(tiny_pair_dir, doc)
+    if m is not None:
+        assert parse_manifest(tiny_pair_dir, m.to_json()).to_json() == m.to_json()
+        for engine in m.engines.values():  # accepted paths stay inside the pair
+            for rel in engine.files:
+                assert ".." not in Path(rel).parts and not Path(rel).is_absolute()
