@@ -3,11 +3,18 @@
 The folder is written to a temporary sibling and renamed into place at the very end, so an error
 or a Ctrl-C never leaves a half-written pair behind. `--force` replaces only a previous specedge
 output (a folder with `specedge.json`) that is neither an input nor a folder holding one
-(`check_output`, shared with `quantize` and `draft`).
+(`check_output`, shared with `quantize` and `draft`); the folder's files are made 0644 and its
+folders 0755 before the rename (`make_readable`).
+
+Quantized models are an fp32 graph (for a self-draft, the fp32 target's own files) quantized in
+a child process (`quantize.run_isolated`), so the export's peak memory is one fp32 build. With
+no precision asked for on cpu, the CLI picks the fast CPU pair (`cpu_defaults`). The manifest's
+provenance records where the chat template came from (HF folder, GGUF metadata, a file, none).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib.util
 import json
@@ -24,6 +31,7 @@ from typing import Any
 from specedge import __version__
 from specedge.runtime.errors import ExportError, InputError, OutputError
 from specedge.runtime.manifest import (
+    DRAFTERS,
     MANIFEST_NAME,
     Defaults,
     KVSpec,
@@ -60,6 +68,10 @@ class ExportOptions:
         graph: graph form for both models: None for the family's default (archs.py),
             "gqa-shared" or "concat" (standard ops; needed for batched speculative decoding on
             CPU, where GroupQueryAttention refuses batch > 1 with several new tokens and a past).
+        chat_template: a jinja file copied into the pair as chat_template.jinja, in place of
+            the source's (HF folder or GGUF metadata).
+        drafter: the pair's default drafter (None: "model" with a draft model, else "ngram").
+        adaptive: the pair's default for adaptive K (None: the manifest's default).
     """
 
     target: str
@@ -73,8 +85,13 @@ class ExportOptions:
     validate: bool = True
     builder_options: dict[str, str] = field(default_factory=dict)
     graph: str | None = None
+    chat_template: Path | None = None
+    drafter: str | None = None
+    adaptive: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.drafter is not None and self.drafter not in DRAFTERS:
+            raise InputError(f"drafter {self.drafter!r}: use one of {', '.join(DRAFTERS)}")
         if self.graph is not None and self.graph not in GRAPHS:
             raise InputError(f"--graph {self.graph!r}: use auto, gqa-shared or concat")
         for key, value in (("precision", self.precision), ("draft_precision",
@@ -84,11 +101,31 @@ class ExportOptions:
                                  f"{', '.join(PRECISIONS)}")
         if "fp16" in (self.precision, self.draft_precision) and self.provider == "cpu":
             raise InputError("fp16 graphs are built for GPUs: add --provider cuda, or use fp32, "
-                             "int8 or int4 on cpu")
+                             "int8, int8-rtn or int4 on cpu")
         if self.provider not in PROVIDERS:
             raise InputError(f"--provider {self.provider!r}: use {' or '.join(PROVIDERS)}")
         if not 1 <= self.num_draft_tokens <= 64:
             raise InputError(f"--num-draft-tokens {self.num_draft_tokens}: use 1..64")
+
+
+# What `specedge export MODEL -o PAIR` writes on cpu when no precision is asked for: the
+# fastest CPU drafting `specedge draft` found for the reference model (docs/results/drafts.md,
+# docs/results/fast_pair.md: 1.70x target-only on 44 prompts at K=5 fixed, adaptive 1.53x).
+CPU_DEFAULTS: dict[str, Any] = {"precision": "fp32", "draft_precision": "int8-rtn",
+                                "drafter": "hybrid", "num_draft_tokens": 5, "adaptive": False}
+
+
+def cpu_defaults(num_draft_tokens: int | None = None) -> tuple[dict[str, Any], str]:
+    """The `ExportOptions` fields of the fast CPU pair (`num_draft_tokens` replaces its K when
+    given), and the line that tells the user what was picked and why."""
+    picked = dict(CPU_DEFAULTS)
+    if num_draft_tokens is not None:
+        picked["num_draft_tokens"] = num_draft_tokens
+    note = (f"defaults for cpu: fp32 target + int8-rtn self-draft (8-bit weight-only, block 32),"
+            f" hybrid drafting (n-gram lookup, else the draft), K={picked['num_draft_tokens']}"
+            " - the fastest CPU pair measured (1.7x target-only on SmolLM2-135M); "
+            "--precision/--draft-precision choose others, `specedge tune` fits K to this machine")
+    return picked, note
 
 
 @dataclass(frozen=True)
@@ -173,9 +210,21 @@ def check_output(output: Path, *, force: bool, inputs: Iterable[str | Path | Non
     return out
 
 
+def make_readable(folder: Path) -> None:
+    """Files 0644 and folders 0755 under `folder`, itself included: a pair is read by other
+    users of the device (mkdtemp makes the staging folder 0700, and some writers, onnx's
+    external data among them, make their files 0600). Links are left alone."""
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
 def replace_folder(staged: Path, out: Path) -> None:
-    """Move the complete folder `staged` to `out`, replacing a previous `out` (renamed aside
-    first, removed last: a failure in between never leaves `out` missing and `staged` lost)."""
+    """Move the complete folder `staged` to `out`, readable by all (`make_readable`),
+    replacing a previous `out` (renamed aside first, removed last: a failure in between never
+    leaves `out` missing and `staged` lost)."""
+    make_readable(staged)
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         out.rename(old)
@@ -199,7 +248,8 @@ def disk_error(exc: OSError, out: Path) -> OutputError | None:
 
 
 def _check_output(opts: ExportOptions) -> Path:
-    return check_output(opts.output, force=opts.force, inputs=[opts.target, opts.draft])
+    return check_output(opts.output, force=opts.force,
+                        inputs=[opts.target, opts.draft, opts.chat_template])
 
 
 def _tokenizer_vocab(folder: Path) -> dict[str, int]:
@@ -254,27 +304,72 @@ def _special_tokens(hf_dir: Path, config: dict[str, Any]) -> tuple[int | None, l
     return (bos if isinstance(bos, int) else None, eos, pad if isinstance(pad, int) else None)
 
 
-def _copy_tokenizer(hf_dir: Path, dest: Path) -> dict[str, str]:
-    files: dict[str, str] = {}
+def _copy_tokenizer(src: sources.Source, dest: Path, template_file: Path | None
+                    ) -> tuple[dict[str, str], dict[str, Any]]:
+    """Copy the tokenizer files into the pair; returns their hashes and where the chat template
+    came from (`{"source": "file" | "hf-folder" | "gguf" | "none", ...}`)."""
+    hf_dir = src.folder
     for name in TOKENIZER_FILES:
-        src = hf_dir / name
-        if src.is_file():
-            shutil.copy2(src, dest / name)
-    if not (dest / "chat_template.jinja").is_file():
-        cfg_file = dest / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        if isinstance(cfg.get("chat_template"), str):
-            (dest / "chat_template.jinja").write_text(cfg["chat_template"])
-    for name in TOKENIZER_FILES:
-        if (dest / name).is_file():
-            files[name] = sha256_file(dest / name)
+        if (hf_dir / name).is_file():
+            shutil.copy2(hf_dir / name, dest / name)
+    cfg_file = dest / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    jinja = dest / "chat_template.jinja"
+    origin: dict[str, Any]
+    if template_file is not None:
+        text = sources.read_chat_template(template_file)
+        jinja.write_text(text, encoding="utf-8")
+        if isinstance(cfg, dict) and "chat_template" in cfg:  # no second, different template
+            cfg["chat_template"] = text
+            cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+        origin = {"source": "file", "file": str(Path(template_file).expanduser().absolute())}
+    else:
+        if not jinja.is_file() and isinstance(cfg, dict) and isinstance(
+                cfg.get("chat_template"), str):
+            jinja.write_text(cfg["chat_template"], encoding="utf-8")
+        if not jinja.is_file():
+            origin = {"source": "none"}
+        else:
+            # A GGUF's template comes from its metadata (sources.gguf_to_folder).
+            origin = {"source": "gguf" if src.kind == "gguf" else "hf-folder",
+                      "origin": src.origin}
+    files = {name: sha256_file(dest / name) for name in TOKENIZER_FILES
+             if (dest / name).is_file()}
     if "tokenizer.json" not in files:
         raise ExportError(f"{hf_dir}: no tokenizer.json (a fast tokenizer is required)")
-    return files
+    if "chat_template.jinja" in files:
+        origin["sha256"] = files["chat_template.jinja"]
+    return files, origin
+
+
+def _builder_writes(precision: str, opts: ExportOptions) -> bool:
+    """Whether the GenAI builder writes `precision` itself (fp32, fp16 and CUDA's int4, whose
+    graph keeps fp16 activations), rather than an fp32 build quantized in a child process."""
+    if precision in ("fp32", "fp16"):
+        return True
+    return precision == "int4" and (
+        opts.provider == "cuda" or any(k.startswith("int4") for k in opts.builder_options))
+
+
+@dataclass(frozen=True)
+class _Built:
+    """One exported model: its manifest entry and, for an fp32 one, its graph in the pair
+    (what a self-draft is quantized from)."""
+
+    spec: ModelSpec
+    graph: onnx_export.GraphInfo
 
 
 def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOptions,
-                  tmp: Path, work: Path) -> ModelSpec:
+                  tmp: Path, work: Path, fp32: onnx_export.GraphInfo | None = None,
+                  say: Any = None) -> _Built:
+    """Export `src` at `precision` into `tmp / name`.
+
+    Quantized precisions are an fp32 graph (`fp32`, the target's already in the pair, when
+    given: a self-draft is not built twice) quantized by `quantize.run_isolated`, whose memory
+    goes when it ends: the export's own peak stays one fp32 build.
+    """
+    say = say or (lambda _msg: None)
     config_dict = sources.read_config(src.folder)
     from transformers import AutoConfig
 
@@ -285,36 +380,45 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
         raise ExportError(f"{src.folder}: {arch.model_type} exports only the concat graph form "
                           f"(the ONNX Runtime GenAI builder does not cover it); drop --graph "
                           f"{graph} or use --graph concat")
-    if graph == "concat" and precision not in ("fp32", "int8", "int4"):
-        raise ExportError(f"{src.folder}: {arch.model_type} exports fp32, int8 or int4 "
-                          f"(not {precision}) in the concat form")
-    build = work / f"{name}-onnx"
-    if graph == "gqa-shared" and precision != "int8":
-        info = onnx_export.build_gqa(src.folder, build, precision, opts.provider,
+    method = quantize.EXPORT_METHODS.get(precision)
+    if graph == "concat" and precision != "fp32" and method is None:
+        raise ExportError(f"{src.folder}: {arch.model_type} exports fp32, "
+                          f"{', '.join(quantize.EXPORT_METHODS)} (not {precision}) in the concat "
+                          "form")
+    quant: dict[str, Any] | None = None
+    if graph == "gqa-shared" and _builder_writes(precision, opts):
+        info = onnx_export.build_gqa(src.folder, work / f"{name}-onnx", precision, opts.provider,
                                      work / "cache", dict(opts.builder_options),
                                      work / f"{name}-builder.log")
     else:
-        fp32 = work / f"{name}-fp32"
-        if graph == "gqa-shared":
-            info = onnx_export.build_gqa(src.folder, fp32, "fp32", opts.provider, work / "cache",
-                                         dict(opts.builder_options), work / f"{name}-builder.log")
+        if fp32 is None:
+            if graph == "gqa-shared":
+                fp32 = onnx_export.build_gqa(src.folder, work / f"{name}-fp32", "fp32",
+                                             opts.provider, work / "cache",
+                                             dict(opts.builder_options),
+                                             work / f"{name}-builder.log")
+            else:
+                fp32 = onnx_export.export_concat(src.folder, work / f"{name}-fp32", arch, "fp32")
+        if method is None:
+            info = fp32
         else:
-            info = onnx_export.export_concat(src.folder, fp32, arch, "fp32")
-        if precision == "fp32":
-            build = fp32
-        else:
-            if precision not in quantize.EXPORT_METHODS:
-                raise ExportError(f"{src.folder}: {arch.model_type} exports fp32, int8 or int4 "
-                                  f"(not {precision}) in the {graph} form")
+            settings = quantize.QuantSettings(method)
+            build = work / f"{name}-onnx"
             build.mkdir(parents=True, exist_ok=True)
-            # The same quantizer as `specedge quantize --method int8-dynamic` / `int4-rtn`; no
-            # calibration sessions, so it runs in this process.
-            quantize.quantize_model(quantize.QuantSettings(quantize.EXPORT_METHODS[precision]),
-                                    info.onnx_path, build / "model.onnx")
-        info = onnx_export.GraphInfo(**{**info.__dict__, "onnx_path": build / "model.onnx"})
+            say(f"quantizing the {name} ({method})")
+            # The same quantizer as `specedge quantize --method ...`, from the fp32 files.
+            quantize.run_isolated(settings, fp32.onnx_path, build / "model.onnx", [], work)
+            info = dataclasses.replace(fp32, onnx_path=build / "model.onnx")
+            quant = {"method": method, "block_size": settings.block_size,
+                     "accuracy_level": settings.accuracy_level, "symmetric": settings.symmetric}
+            precision = settings.precision  # int8-rtn is an int8 model
     moved = onnx_export.move_model(info.onnx_path, tmp / name)
     files = {str(p.relative_to(tmp)): sha256_file(p) for p in moved}
-    return ModelSpec(
+    source = {**src.provenance(), "model_type": config_dict.get("model_type"),
+              "architecture": (config_dict.get("architectures") or [None])[0]}
+    if quant is not None:
+        source["quantization"] = quant
+    spec = ModelSpec(
         path=f"{name}/model.onnx",
         files=files,
         precision=precision,
@@ -328,9 +432,9 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
         position_ids=info.position_ids,
         logits_dtype=info.kv_dtype,
         min_cache_len=info.min_cache_len,
-        source={**src.provenance(), "model_type": config_dict.get("model_type"),
-                "architecture": (config_dict.get("architectures") or [None])[0]},
+        source=source,
     )
+    return _Built(spec, dataclasses.replace(info, onnx_path=tmp / name / "model.onnx"))
 
 
 def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
@@ -347,6 +451,8 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
     say = progress or (lambda _msg: None)
     start = time.perf_counter()
     out = _check_output(opts)
+    if opts.chat_template is not None:
+        sources.read_chat_template(opts.chat_template)  # a bad file fails now, not at the end
     require_modules("export")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -368,28 +474,37 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
         if draft_src is not None and draft_src.folder != target_src.folder:
             check_same_vocab(target_src.folder, draft_src.folder)
         say(f"exporting the target ({opts.precision})")
-        target = _export_model(target_src, opts.precision, "target", opts, tmp, work)
+        built = _export_model(target_src, opts.precision, "target", opts, tmp, work, say=say)
+        target = built.spec
         draft = None
         if draft_src is not None and draft_precision is not None:
             say(f"exporting the draft ({draft_precision})")
-            draft = _export_model(draft_src, draft_precision, "draft", opts, tmp, work)
+            # A self-draft of an fp32 target is quantized from the target's files.
+            reuse = built.graph if (
+                draft_src is target_src and target.precision == "fp32"
+                and draft_precision in quantize.EXPORT_METHODS
+                and not _builder_writes(draft_precision, opts)) else None
+            draft = _export_model(draft_src, draft_precision, "draft", opts, tmp, work,
+                                  fp32=reuse, say=say).spec
             if draft.vocab_size != target.vocab_size:
                 raise ExportError(f"draft vocab_size {draft.vocab_size} != target vocab_size "
                                   f"{target.vocab_size}; the models cannot form a pair")
-        tokenizer_files = _copy_tokenizer(target_src.folder, tmp)
+        tokenizer_files, template = _copy_tokenizer(target_src, tmp, opts.chat_template)
         bos, eos, pad = _special_tokens(target_src.folder, sources.read_config(target_src.folder))
         if opts.validate:
             say("validating against torch")
-            target, draft = _validate(tmp, target, draft, target_src, draft_src)
+            target, draft = _validate(tmp, target, draft, target_src, draft_src, opts.provider)
+        defaults = Defaults(drafter=opts.drafter or ("model" if draft else "ngram"),
+                            num_draft_tokens=opts.num_draft_tokens)
+        if opts.adaptive is not None:
+            defaults = dataclasses.replace(defaults, adaptive=opts.adaptive)
         manifest = PairManifest(
             root=out, target=target, draft=draft, vocab_size=target.vocab_size,
             bos_token_id=bos, eos_token_ids=tuple(eos), pad_token_id=pad,
-            tokenizer_files=tokenizer_files,
-            defaults=Defaults(drafter="model" if draft else "ngram",
-                              num_draft_tokens=opts.num_draft_tokens),
+            tokenizer_files=tokenizer_files, defaults=defaults,
             provenance={"specedge": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                           time.gmtime()),
-                        "provider": opts.provider},
+                        "provider": opts.provider, "chat_template": template},
         )
         write_manifest(manifest, tmp)
         replace_folder(tmp, out)
@@ -410,23 +525,21 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
 
 
 def _validate(tmp: Path, target: ModelSpec, draft: ModelSpec | None,
-              target_src: sources.Source, draft_src: sources.Source | None
+              target_src: sources.Source, draft_src: sources.Source | None, provider: str
               ) -> tuple[ModelSpec, ModelSpec | None]:
+    """Compare both models with torch on the export's provider (on CPU when it cannot run
+    here, which the result says)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(target_src.folder / "tokenizer.json"))
     text = tok.encode("Speculative decoding makes edge devices fast, and exact too.").ids
     ids = validate.validation_ids(target.vocab_size, text)
     ref = validate.torch_logits(target_src.folder, ids)
-    target = _with_validation(target, validate.validate_model(tmp, target, "target", ref, ids))
+    target = dataclasses.replace(target, validation=validate.validate_model(
+        tmp, target, "target", ref, ids, provider=provider))
     if draft is not None and draft_src is not None:
         dref = ref if draft_src.folder == target_src.folder else validate.torch_logits(
             draft_src.folder, ids)
-        draft = _with_validation(draft, validate.validate_model(tmp, draft, "draft", dref, ids))
+        draft = dataclasses.replace(draft, validation=validate.validate_model(
+            tmp, draft, "draft", dref, ids, provider=provider))
     return target, draft
-
-
-def _with_validation(spec: ModelSpec, result: dict[str, Any]) -> ModelSpec:
-    from dataclasses import replace
-
-    return replace(spec, validation=result)

@@ -27,6 +27,7 @@ Calibration data (the feeds) and the pair-level workflow live in `specedge.calib
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -45,9 +46,10 @@ METHODS = ("fp16", "fp8", "int8-dynamic", "int8-minmax", "int8-entropy", "int8-p
 CALIBRATED = ("fp8", "int8-minmax", "int8-entropy", "int8-percentile", "int4-gptq")
 # Methods whose histogram calibrators need every feed to have one shape.
 HISTOGRAM = ("fp8", "int8-entropy", "int8-percentile")
-# `export --precision P` quantizes the fp32 export with this method (int4 in the gqa-shared form
-# is made by the ONNX Runtime GenAI builder instead).
-EXPORT_METHODS = {"int8": "int8-dynamic", "int4": "int4-rtn"}
+# `export --precision P` quantizes the fp32 export with this method, in a child process that
+# reads the fp32 files (int4 for CUDA is made by the ONNX Runtime GenAI builder instead: its CUDA
+# int4 graph keeps fp16 activations).
+EXPORT_METHODS = {"int8": "int8-dynamic", "int4": "int4-rtn", "int8-rtn": "int8-rtn"}
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 # Ops kept in fp32 by `fp16`: attention (its KV buffers stay fp32 and shared in place) and the
@@ -210,15 +212,22 @@ def quantize_embedding(model: Any, block_size: int) -> bool:
 
     Round to nearest, symmetric, one scale per `block_size` values along the hidden axis, codes
     stored as uint8 pairs (zero point 8, the MatMulNBits layout), so the graph keeps its opset.
-    Handles the [vocab, hidden] table (Gather axis 0) and the [hidden, vocab] one a tied concat
-    export gathers along axis 1 followed by a Transpose (`onnx_export._tie_embedding`). The
-    float table is dropped when nothing else reads it. Returns whether a Gather was replaced.
+    Handles the [vocab, hidden] table (Gather axis 0), the [hidden, vocab] one a tied concat
+    export gathers along axis 1 followed by a Transpose (`onnx_export._tie_embedding`), and the
+    GenAI builder's tied form (Gather of a Transpose of the LM head's [hidden, vocab] weight),
+    which gathers from the LM head's own 4-bit MatMulNBits weights, as the builder's int4 does.
+    The float table is dropped when nothing else reads it. Returns whether a Gather was
+    replaced.
     """
     from onnx import helper, numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
     nodes = list(model.graph.node)
+    producers = {out: n for n in nodes for out in n.output}
     for node in nodes:
+        if node.op_type == "Gather" and node.input[0] in producers:
+            if _gather_from_matmul_nbits(model, node, producers[node.input[0]], block_size):
+                return True
         if node.op_type != "Gather" or node.input[0] not in inits:
             continue
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
@@ -262,6 +271,49 @@ def quantize_embedding(model: Any, block_size: int) -> bool:
     return False
 
 
+def _gather_from_matmul_nbits(model: Any, gather: Any, transpose: Any, block_size: int) -> bool:
+    """The builder's tied embedding, `Gather(Transpose(W), ids)` with W [hidden, vocab] the LM
+    head's weight, once the LM head is a symmetric 4-bit MatMulNBits of `block_size`: gather
+    its packed rows [vocab, hidden / 2] and scales [vocab, hidden / block] instead, so the table
+    is stored once, in 4 bits. Returns whether it did."""
+    from onnx import helper, numpy_helper
+
+    perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None)
+    weight = transpose.input[0]
+    if transpose.op_type != "Transpose" or perm != [1, 0]:
+        return False
+    attrs: dict[str, int] = {}
+    head = None
+    for n in model.graph.node:
+        if n.op_type == "MatMulNBits" and n.input[1] == weight + "_Q4":
+            head, attrs = n, {a.name: a.i for a in n.attribute}
+    if (head is None or len(head.input) != 3 or attrs.get("bits") != 4
+            or attrs.get("block_size") != block_size or attrs.get("K", 1) % block_size):
+        return False  # zero points, another block size, a padded last block: not shareable
+    users = [n for n in model.graph.node if transpose.output[0] in n.input]
+    if users != [gather] or any(a.name == "axis" and a.i != 0 for a in gather.attribute):
+        return False
+    vocab, hidden = attrs["N"], attrs["K"]
+    rows = gather.name + "_rows"
+    model.graph.initializer.append(
+        numpy_helper.from_array(np.array([vocab, hidden // 2], dtype=np.int64), rows + "_shape"))
+    index = list(model.graph.node).index(transpose)
+    model.graph.node.remove(transpose)
+    model.graph.node.remove(gather)
+    model.graph.node.insert(index, helper.make_node(
+        "Reshape", [head.input[1], rows + "_shape"], [rows], name=rows))  # [vocab, blocks, blob]
+    model.graph.node.insert(index + 1, helper.make_node(
+        "GatherBlockQuantized", [rows, gather.input[1], head.input[2]], [gather.output[0]],
+        name=gather.name + "_Q4", domain="com.microsoft", gather_axis=0, quantize_axis=1,
+        block_size=block_size, bits=4))
+    table = next((i for i in model.graph.initializer if i.name == weight), None)
+    if table is not None and not any(weight in n.input for n in model.graph.node):
+        model.graph.initializer.remove(table)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return True
+
+
 _PEAK_MARKER = "SPECEDGE_PEAK_RSS_MIB="
 
 
@@ -271,9 +323,11 @@ def run_isolated(settings: QuantSettings, src: Path, dst: Path, feeds: list[dict
 
     onnxruntime.quantization creates its own InferenceSessions with per-session thread pools,
     which ONNX Runtime refuses once a process runs on the shared global pool (the runtime's
-    default thread plan). The child has no such pool. Feeds travel as an .npz file in `scratch`,
-    read with allow_pickle=False. Returns the child's peak RSS in MiB (None if it did not report
-    one).
+    default thread plan). The child has no such pool, and its memory is returned when it ends
+    (the export quantizes its drafts this way, so that its own peak stays one fp32 build). Feeds
+    travel as an .npz file in `scratch`, read with allow_pickle=False. The quantizers' INFO log
+    (one line per node) is shown only when this process logs INFO (`specedge -v`). Returns the
+    child's peak RSS in MiB (None if it did not report one).
 
     Raises:
         ExportError: the child failed (its last stderr line is in the message).
@@ -281,11 +335,15 @@ def run_isolated(settings: QuantSettings, src: Path, dst: Path, feeds: list[dict
     feeds_file = scratch / "calibration_feeds.npz"
     np.savez(feeds_file, **{f"{i}|{k}": v for i, feed in enumerate(feeds)
                             for k, v in feed.items()})
+    verbose = logging.getLogger().isEnabledFor(logging.INFO)
     args = {"settings": {**asdict(settings), "exclude": list(settings.exclude)},
-            "src": str(src), "dst": str(dst), "feeds": str(feeds_file)}
+            "src": str(src), "dst": str(dst), "feeds": str(feeds_file),
+            "log_level": logging.INFO if verbose else logging.WARNING}
     proc = subprocess.run([sys.executable, "-m", "specedge.exporter.quantize", json.dumps(args)],
                           capture_output=True, text=True, check=False)
     feeds_file.unlink(missing_ok=True)
+    if verbose and proc.stderr:
+        sys.stderr.write(proc.stderr)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         raise ExportError(lines[-1][:400] if lines else f"{src}: {settings.method} failed")
@@ -308,6 +366,9 @@ def _main(argv: list[str]) -> int:
     import resource
 
     a = json.loads(argv[0])
+    # Before onnxruntime.quantization's own logging.basicConfig(level=INFO) runs on import.
+    logging.basicConfig(level=a.get("log_level", logging.WARNING),
+                        format="%(asctime)s %(name)s [%(levelname)s] - %(message)s")
     settings = QuantSettings(**{**a["settings"], "exclude": tuple(a["settings"]["exclude"])})
     try:
         quantize_model(settings, Path(a["src"]), Path(a["dst"]), _load_feeds(Path(a["feeds"])))

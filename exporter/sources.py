@@ -4,7 +4,8 @@ Every source ends up as a plain Hugging Face folder (config.json, safetensors, t
 because that is what both the ONNX Runtime GenAI builder and transformers' validation read.
 GGUF files are dequantized by transformers (`from_pretrained(..., gguf_file=...)`, needs `gguf`)
 and their weights written straight to safetensors (one copy in memory, tied weights once), with
-a config.json that has no `quantization_config`; the GGUF's chat template comes along. Hub ids
+a config.json that has no `quantization_config`; the GGUF's chat template comes along. A chat
+template can also come from a file (`read_chat_template`, checked with jinja2). Hub ids
 are downloaded with `huggingface_hub.snapshot_download` (needs a network; this fails with a clear
 message offline).
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specedge.runtime.errors import ExportError
+from specedge.runtime.errors import ExportError, InputError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "tokenizer*"]
@@ -157,6 +158,42 @@ def _set_chat_template(folder: Path, template: str) -> None:
     if isinstance(cfg, dict) and not isinstance(cfg.get("chat_template"), str):
         cfg["chat_template"] = template
         cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def read_chat_template(file: Path) -> str:
+    """The text of a `--chat-template` file, once jinja2 parses it.
+
+    Raises:
+        InputError: the file is missing, unreadable, not UTF-8, empty or not a jinja template.
+    """
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    where = f"--chat-template {file}"
+    try:
+        text = Path(file).expanduser().read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{where}: is a folder; give a jinja file") from None
+    except OSError as exc:
+        raise InputError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{where}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    if not text.strip():
+        raise InputError(f"{where}: the file is empty")
+    # The environment the runtime renders templates in (runtime/text.py), less its limits.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    try:
+        env.parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InputError(f"{where}: not a valid jinja template (line {exc.lineno}: "
+                         f"{exc.message})") from None
+    except (jinja2.TemplateError, RecursionError, ValueError) as exc:
+        raise InputError(f"{where}: not a valid jinja template ({exc})") from None
+    return text
 
 
 def read_config(folder: Path) -> dict[str, Any]:

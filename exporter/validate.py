@@ -6,8 +6,9 @@ KL(torch ‖ onnx) over the step positions. fp32 and fp16 exports fail loudly pa
 quantized exports are judged by top-1 agreement and KL, not by atol. fp16's tolerance grows with
 the logits' magnitude: an fp16 logit near 32 is stored to 1/32, so a fixed 0.05 would fail a
 correct export (SmolLM2-135M fp16 differs from torch fp32 by 0.078 with every top-1 equal).
-The result records which execution provider the comparison ran on (an fp16 CUDA graph runs on
-the CPU provider too, through its fp16 kernels, when no GPU is present).
+The result records which execution provider the comparison ran on: the export's own provider
+when it can run here, else the CPU provider (an fp16 or int4 CUDA graph runs there too, through
+its CPU kernels), with the reason (`validation_provider`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,24 @@ def tolerance(precision: str, reference: np.ndarray) -> float | None:
     return tol
 
 
+def validation_provider(requested: str) -> tuple[str, str | None]:
+    """The provider to validate a `requested` export on, and why it is another (None if not):
+    a CUDA export is validated on CUDA when this onnxruntime build has the CUDA provider and
+    the driver sees a GPU, else on the CPU."""
+    if requested == "cpu":
+        return "cpu", None
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "cpu", "this onnxruntime build has no CUDA provider"
+    from specedge.runtime.doctor import gpus_from_libcuda
+
+    gpus, _ = gpus_from_libcuda()
+    if not gpus:
+        return "cpu", "no GPU found"
+    return requested, None
+
+
 def validate_model(root: Path, spec: ModelSpec, name: str, reference: np.ndarray,
                    ids: np.ndarray, provider: str = "cpu") -> dict[str, Any]:
     """Run the exported model through the runtime backend and compare with torch's logits.
@@ -74,12 +93,14 @@ def validate_model(root: Path, spec: ModelSpec, name: str, reference: np.ndarray
         name: "target" or "draft".
         reference: torch logits `[PREFILL + STEP, vocab]` of the unquantized source model.
         ids: the token ids `[1, PREFILL + STEP]` they were computed on.
-        provider: the execution provider to validate on ("cpu" or "cuda").
+        provider: the provider the export is for ("cpu" or "cuda"); validated on it when it
+            can run here, else on the CPU (`validation_provider`; the result says which).
 
     Raises:
         ExportError: an fp32/fp16 export is past its tolerance.
     """
-    model = OrtModel(root, spec, name, SessionConfig(provider=provider))
+    used, why = validation_provider(provider)
+    model = OrtModel(root, spec, name, SessionConfig(provider=used))
     cache = model.new_cache(1, 64)
     prefill = model.forward(cache, ids[:, :PREFILL])[0]
     step = model.forward(cache, ids[:, PREFILL:])[0]
@@ -94,7 +115,10 @@ def validate_model(root: Path, spec: ModelSpec, name: str, reference: np.ndarray
         "step_tokens": STEP,
         "reference": "torch fp32 (transformers, eager attention)",
         "provider": model.session.get_providers()[0],
+        "requested_provider": provider,
     }
+    if why is not None:
+        result["note"] = f"validated on CPU, not {provider}: {why}"
     tol = tolerance(spec.precision, reference)
     worst = max(result["prefill"]["max_abs_diff"], result["step_with_past"]["max_abs_diff"])
     result["tolerance"] = tol

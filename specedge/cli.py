@@ -364,11 +364,13 @@ def _status(message: str) -> Iterator[Callable[[str], None]]:
                    "specedge's info messages.")
 def main(verbose: int) -> None:
     """specedge: speculative decoding for edge devices (export, generate, bench)."""
+    # The root handler is set here, so that libraries that call logging.basicConfig(INFO) on
+    # import (onnxruntime.quantization's matmul_nbits_quantizer) print nothing without -v.
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
     if verbose:
         from specedge.runtime.backend import set_log_severity
 
         set_log_severity(max(0, 3 - verbose))
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
 
 
 @main.command()
@@ -377,14 +379,18 @@ def main(verbose: int) -> None:
               help="Pair folder to create.")
 @click.option("--draft", default=None, help="Draft source (HF folder, hub id or .gguf); "
               "default: a self-draft of the target when --draft-precision is given.")
-@click.option("--precision", default="fp32", show_default=True, type=click.Choice(PRECISIONS),
-              help="Target precision.")
+@click.option("--precision", default=None, type=click.Choice(PRECISIONS),
+              help="Target precision [default: fp32].")
 @click.option("--draft-precision", default=None, type=click.Choice(PRECISIONS),
-              help="Draft precision.")
+              help="Draft precision (a self-draft of the target unless --draft is given).")
 @click.option("--provider", default="cpu", show_default=True, type=click.Choice(PROVIDERS),
               help="Execution provider the graphs are built for.")
-@click.option("--num-draft-tokens", default=3, show_default=True, type=int,
-              help="Default draft length written to the manifest.")
+@click.option("--num-draft-tokens", default=None, type=click.IntRange(1, 64),
+              help="Default draft length written to the manifest [default: 3; 5 with the CPU "
+                   "defaults].")
+@click.option("--chat-template", "chat_template", default=None,
+              type=click.Path(path_type=Path),
+              help="Jinja chat template file for the pair (replaces the model's own).")
 @click.option("--graph", default="auto", show_default=True,
               type=click.Choice(("auto", *GRAPHS)),
               help="Graph form; concat is needed for batched speculative decoding on CPU.")
@@ -395,18 +401,28 @@ def main(verbose: int) -> None:
               help="Calibration data for --calibrate (default: built-in sample).")
 @FORCE
 @clean_errors
-def export(target: str, output: Path, draft: str | None, precision: str,
-           draft_precision: str | None, provider: str, num_draft_tokens: int, graph: str,
-           no_validate: bool, calibrate_method: str | None, data_file: Path | None,
-           force: bool) -> None:
-    """Export TARGET (HF folder, hub id or .gguf) and a draft into a validated pair folder."""
-    from specedge.exporter.pair import ExportOptions, export_pair
+def export(target: str, output: Path, draft: str | None, precision: str | None,
+           draft_precision: str | None, provider: str, num_draft_tokens: int | None,
+           chat_template: Path | None, graph: str, no_validate: bool,
+           calibrate_method: str | None, data_file: Path | None, force: bool) -> None:
+    """Export TARGET (HF folder, hub id or .gguf) and a draft into a validated pair folder.
 
-    opts = ExportOptions(target=target, output=output, draft=draft, precision=precision,
-                         draft_precision=draft_precision, provider=provider,
-                         num_draft_tokens=num_draft_tokens, force=force,
-                         validate=not no_validate, graph=None if graph == "auto" else graph)
-    if calibrate_method and precision != "fp32":
+    Without --precision, --draft-precision or --draft on cpu, it writes the fast CPU pair: an
+    fp32 target, its int8 weight-only self-draft (int8-rtn) and hybrid drafting at K=5.
+    """
+    from specedge.exporter.pair import ExportOptions, cpu_defaults, export_pair
+
+    picked: dict[str, Any] = {}
+    if precision is None and draft_precision is None and draft is None and provider == "cpu":
+        picked, note = cpu_defaults(num_draft_tokens)
+        click.echo(note)
+    opts = ExportOptions(**{
+        "target": target, "output": output, "draft": draft, "precision": precision or "fp32",
+        "draft_precision": draft_precision, "provider": provider,
+        "num_draft_tokens": num_draft_tokens or 3, "force": force, "validate": not no_validate,
+        "graph": None if graph == "auto" else graph, "chat_template": chat_template,
+        **picked})
+    if calibrate_method and opts.precision != "fp32":
         raise InputError("--calibrate quantizes an fp32 target: use --precision fp32")
     with _status("exporting") as say:
         report = export_pair(opts, progress=say)
@@ -435,7 +451,26 @@ def _print_export(report: Any) -> None:
     print_table(_new_table(f"pair written to {report.folder}",
                            ("model", "precision", "graph", "step max|Δ|", "step top-1",
                             "step KL", "prefill max|Δ|", "passed"), rows))
+    validations = [s.validation for s in (report.manifest.target, report.manifest.draft)
+                   if s is not None and s.validation]
+    if validations:
+        v = validations[0]
+        click.echo(f"validated on {v.get('provider', '?')}"
+                   + (f" ({v['note']})" if v.get("note") else ""))
+    template = report.manifest.provenance.get("chat_template", {})
+    d = report.manifest.defaults
+    click.echo(f"chat template: {_template_source(template)}; defaults: {d.drafter} drafting, "
+               f"K={d.num_draft_tokens}{', adaptive' if d.adaptive else ''}")
     click.echo(f"export took {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MiB")
+
+
+def _template_source(template: dict[str, Any]) -> str:
+    """Where a pair's chat template came from, in words."""
+    source = template.get("source", "unknown")
+    where = template.get("file") or template.get("origin")
+    return {"none": "none (chat prompts will fail; add one with --chat-template FILE)",
+            "file": f"from the file {where}", "gguf": "from the GGUF metadata",
+            "hf-folder": "from the model folder"}.get(source, source)
 
 
 @main.command()
@@ -910,7 +945,14 @@ def inspect(pair: Path, no_verify: bool) -> None:
     """Validate the pair folder PAIR and print its manifest summary as JSON."""
     from specedge.runtime.manifest import describe, load_manifest
 
-    click.echo(json_dumps(describe(load_manifest(pair, verify_hashes=not no_verify)), indent=2))
+    manifest = load_manifest(pair, verify_hashes=not no_verify)
+    summary = dict(describe(manifest))
+    template = manifest.provenance.get("chat_template")
+    if not isinstance(template, dict):  # a pair written before the exporter recorded it
+        template = {"source": "unknown" if "chat_template.jinja" in manifest.tokenizer_files
+                    else "none"}
+    summary["chat_template"] = template
+    click.echo(json_dumps(summary, indent=2))
 
 
 def _register_commands() -> None:

@@ -159,6 +159,17 @@ def test_fp16_for_cuda_exports_and_validates_on_cpu(work: Path) -> None:
     target = report.manifest.target
     assert target.precision == "fp16" and target.kv.dtype == "float16"
     assert target.validation["passed"] and target.validation["tolerance"] == 5e-2
+    # Validated on the export's provider when it runs here, else on CPU, saying so (issue 13).
+    from specedge.exporter.validate import validation_provider
+
+    used, why = validation_provider("cuda")
+    v = target.validation
+    assert v["requested_provider"] == "cuda"
+    if used == "cuda":
+        assert v["provider"] == "CUDAExecutionProvider" and "note" not in v
+    else:
+        assert v["provider"] == "CPUExecutionProvider"
+        assert v["note"] == f"validated on CPU, not cuda: {why}"
 
 
 def test_graph_option_is_checked(tmp_path: Path, work: Path) -> None:
