@@ -59,6 +59,7 @@ from specedge.runtime.manifest import (
 
 ENGINES_DIR = "engines"
 STANDARD_DOMAINS = ("", "ai.onnx")
+FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
 Dims = tuple[int | str | None, ...]
 
 
@@ -229,15 +230,22 @@ def check_graph_form(spec: ModelSpec, name: str, graph: GraphSummary) -> None:
     """Refuse a model TensorRT cannot take whole.
 
     Raises:
-        ExportError: the model is gqa-shared or has ONNX Runtime contrib ops (named, counted).
+        ExportError: the model is gqa-shared, has ONNX Runtime contrib ops (named, counted) or
+            integer weights.
     """
     ops = contrib_ops(graph)
+    fix = ("for TensorRT export the pair with --graph concat and fp32 models (--precision fp32 "
+           "--draft DRAFT --draft-precision fp32); build-engine --fp16 runs them in FP16")
     if spec.graph != "concat" or ops:
         shown = ", ".join(f"{op} x{n}" for op, n in ops.most_common(4)) or "none"
         raise ExportError(
             f"{spec.path}: the {name} model is {spec.graph} with ONNX Runtime contrib ops "
-            f"({shown}) that TensorRT does not implement; for TensorRT export the pair with "
-            "--graph concat and float models (--precision fp16 --draft-precision fp16)")
+            f"({shown}) that TensorRT does not implement; {fix}")
+    if spec.precision not in FLOAT_PRECISIONS:
+        raise ExportError(
+            f"{spec.path}: the {name} model is {spec.precision}, quantized with ONNX Runtime's "
+            f"integer ops (MatMulInteger / DynamicQuantizeLinear) that TensorRT does not take; "
+            f"{fix}")
 
 
 # ----------------------------------------------------------------------------- profile

@@ -240,6 +240,10 @@ def test_graph_form_refused_for_contrib_ops(fixtures_dir: Path) -> None:
     check_graph_form(concat.target, "target", read_graph(concat.root / concat.target.path))
     with pytest.raises(ExportError, match=r"the draft model .*MatMulNBits x\d+"):
         plan_profiles(concat, EngineOptions(pair=concat.root))
+    # int8-dynamic is standard ops (MatMulInteger) that TensorRT does not take either
+    int8 = dataclasses.replace(concat.target, precision="int8")
+    with pytest.raises(ExportError, match="is int8.*--graph concat and fp32 models"):
+        check_graph_form(int8, "target", read_graph(concat.root / concat.target.path))
 
 
 def test_read_graph_refuses_garbage(tmp_path: Path) -> None:
