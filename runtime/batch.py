@@ -155,8 +155,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         self.t_cache.lengths[slot] = 0
         # The prefill's last logits give the first token (as in batch 1): no extra call.
-        logits = _prefill(self.target, self.t_cache, slot, row.tokens)[-1:]  # [1, vocab]
-        first = row.sampler.verify(np.zeros(0, np.int64), None, logits, 0)
+        first = _prefill_first(self.target, self.t_cache, slot, row)
         row.tokens.extend(int(t) for t in first)
         row.output.push(first)
         if not row.output.done and len(row.tokens) >= self.limit:
@@ -223,10 +222,14 @@ class BatchDecoder:
         k_round = max(len(d) for d in drafts.values())
         t1 = time.perf_counter()
         blocks = [[r.tokens[-1], *drafts[r.index]] if r.reason is None else [0] for r in fed]
-        logits = _ragged(self.target, self.t_cache, fed, blocks,
-                         [len(b) if r.reason is None else 0
-                          for r, b in zip(fed, blocks, strict=True)])
+        # Greedy rows get argmax ids (from the device when the backend takes them there); the
+        # others get their logits rows, in order.
+        greedy = np.asarray([r.sampler.greedy for r in fed], bool)
+        ids, logits = _ragged_verify(self.target, self.t_cache, fed, blocks,
+                                     [len(b) if r.reason is None else 0
+                                      for r, b in zip(fed, blocks, strict=True)], greedy)
         verify_s = time.perf_counter() - t1
+        sampled_row = np.cumsum(~greedy) - 1  # fed row i -> its row in `logits`
         outcomes: list[tuple[int, int]] = []
         tuned: list[tuple[int, int]] = []  # the rows whose k came from the tuner
         for i, row in enumerate(fed):
@@ -234,8 +237,11 @@ class BatchDecoder:
                 continue
             mine = np.asarray(drafts[row.index], np.int64)
             n = len(mine)
-            emitted = row.sampler.verify(mine, probs.get(row.index), logits[i, :n + 1],
-                                         row.position)
+            if greedy[i]:
+                emitted = row.sampler.verify_ids(mine, ids[i, :n + 1])
+            else:
+                emitted = row.sampler.verify(mine, probs.get(row.index),
+                                             logits[sampled_row[i], :n + 1], row.position)
             accepted = len(emitted) - 1
             outcomes.append((n, accepted))
             if self.plan.drafter != "hybrid" or row.index in model_rows or not n:
@@ -297,6 +303,19 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, plan: DecodePlan,
     return rows, decoder.totals
 
 
+def _prefill_first(model: OrtModel, cache: KVCache, index: int, row: BatchRow) -> np.ndarray:
+    """Prefill row `index` with its prompt; returns its first token `[1]` (from argmax ids for
+    a greedy row, so its prefill's logits need not reach the host)."""
+    tokens = np.asarray([row.tokens], np.int64)
+    lens = np.asarray([len(row.tokens)])
+    greedy = np.asarray([row.sampler.greedy])
+    ids, logits = model.forward_rows_greedy(cache, np.asarray([index]), tokens, lens, greedy,
+                                            last=True)
+    if row.sampler.greedy:
+        return row.sampler.verify_ids(np.zeros(0, np.int64), ids[0])
+    return row.sampler.verify(np.zeros(0, np.int64), None, logits[0, -1:], 0)
+
+
 def _prefill(model: OrtModel, cache: KVCache, index: int, tokens: list[int]) -> np.ndarray:
     """Feed `tokens` to row `index`; returns their logits `[len(tokens), vocab]`."""
     if not tokens:
@@ -352,16 +371,36 @@ def _draft(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks: dic
     return drafts, stacked, seconds
 
 
-def _ragged(model: OrtModel, cache: KVCache, feed_rows: list[BatchRow], blocks: list[list[int]],
-            lens: list[int]) -> np.ndarray:
-    """One call: row `feed_rows[i]` gets `blocks[i][:lens[i]]`; a row with lens 0 is fed a
-    masked dummy token whose keys/values are not kept (compact=False)."""
+def _ragged_verify(model: OrtModel, cache: KVCache, feed_rows: list[BatchRow],
+                   blocks: list[list[int]], lens: list[int], greedy: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """`_ragged` for the verify call: argmax ids `[rows, width]` for the greedy rows and the
+    logits of the others `[count(~greedy), width, vocab]` (`OrtModel.forward_rows_greedy`)."""
+    tokens, index, lens_arr = _block_arrays(feed_rows, blocks, lens)
+    if (lens_arr == 0).any():
+        saved = cache.lengths.copy()
+        out = model.forward_rows_greedy(cache, index, tokens, np.maximum(lens_arr, 1), greedy)
+        dead = index[lens_arr == 0]
+        cache.lengths[dead] = saved[dead]
+        return out
+    return model.forward_rows_greedy(cache, index, tokens, lens_arr, greedy)
+
+
+def _block_arrays(feed_rows: list[BatchRow], blocks: list[list[int]], lens: list[int]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Padded tokens `[rows, width]`, the rows' cache slots and their lengths fed."""
     width = max(len(b) for b in blocks)
     tokens = np.zeros((len(feed_rows), width), np.int64)
     for i, block in enumerate(blocks):
         tokens[i, :len(block)] = block
-    index = np.asarray([r.index for r in feed_rows])
-    lens_arr = np.asarray(lens, np.int64)
+    return tokens, np.asarray([r.index for r in feed_rows]), np.asarray(lens, np.int64)
+
+
+def _ragged(model: OrtModel, cache: KVCache, feed_rows: list[BatchRow], blocks: list[list[int]],
+            lens: list[int]) -> np.ndarray:
+    """One call: row `feed_rows[i]` gets `blocks[i][:lens[i]]`; a row with lens 0 is fed a
+    masked dummy token whose keys/values are not kept (compact=False)."""
+    tokens, index, lens_arr = _block_arrays(feed_rows, blocks, lens)
     if (lens_arr == 0).any():
         saved = cache.lengths.copy()
         logits = model.forward_rows(cache, index, tokens, np.maximum(lens_arr, 1))

@@ -4,7 +4,8 @@ Batch-1 decoding (`speculative.decode`) and batched decoding (`batch.BatchDecode
 these pieces; only the scheduling around them differs, so "a batch row equals batch 1" holds by
 construction:
 
-- `RowSampler`: a row's randomness. Greedy takes the argmax. Seeded sampling is position-keyed:
+- `RowSampler`: a row's randomness. Greedy takes the argmax (from the logits, or from argmax
+  ids the backend computed on the device: `verify_ids`). Seeded sampling is position-keyed:
   the token at output position n is `argmax(p_n / E_n)` with `E_n` i.i.d. Exp(1) noise drawn
   from (seed, n) alone (the Gumbel-max / exponential-race trick), so it is an exact sample of the
   target's warped distribution and the same seed gives the same text for every K, drafter and
@@ -23,7 +24,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from .policy import DecodePlan
-from .sampling import SamplingParams, accept_greedy, accept_sample, sample_token, warp_probs
+from .sampling import (
+    SamplingParams,
+    accept_greedy,
+    accept_greedy_ids,
+    accept_sample,
+    sample_token,
+    warp_probs,
+)
 from .text import IncrementalDetokenizer, StopStrings, Tokenizer
 
 __all__ = ["RowOutput", "RowSampler", "fed_prefix"]
@@ -94,6 +102,12 @@ class RowSampler:
         full = np.zeros(self.vocab_size)
         full[ids] = p
         return int(ids[pick]), full, confidence
+
+    def verify_ids(self, drafts: np.ndarray, target_ids: np.ndarray) -> np.ndarray:
+        """Greedy verification from the target's argmax ids `[n + 1]` (a greedy row's logits
+        need not reach the host); the same tokens as `verify` on the logits."""
+        assert self.params.greedy, "only greedy rows verify from argmax ids"
+        return accept_greedy_ids(drafts, target_ids)
 
     def verify(self, drafts: np.ndarray, draft_probs: np.ndarray | None, logits: np.ndarray,
                position: int) -> np.ndarray:

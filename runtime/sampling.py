@@ -41,6 +41,7 @@ _NUCLEUS_CANDIDATES = (1024, 8192)
 __all__ = [
     "SamplingParams",
     "accept_greedy",
+    "accept_greedy_ids",
     "accept_probability",
     "accept_sample",
     "first_token_marginal",
@@ -338,7 +339,28 @@ def accept_greedy(draft_tokens: npt.ArrayLike, target_logits: npt.ArrayLike) -> 
             f"target_logits must have shape [k + 1, vocab] = [{k + 1}, vocab], got {logits.shape}"
         )
     _check_token_range(drafts, logits.shape[1])
-    best = np.argmax(logits, axis=-1).astype(np.int64)
+    return accept_greedy_ids(drafts, np.argmax(logits, axis=-1))
+
+
+def accept_greedy_ids(draft_tokens: npt.ArrayLike, target_ids: npt.ArrayLike) -> IntArray:
+    """Greedy verification from the target's argmax ids alone (what a device-side argmax
+    returns): the same rule and result as `accept_greedy` on the logits they came from.
+
+    Args:
+        draft_tokens: ``[k]`` integer draft token ids.
+        target_ids: ``[k + 1]`` the target's argmax at each draft position and one past the last.
+
+    Returns:
+        ``[a + 1]`` int64: the accepted drafts, then the target's token at position ``a``.
+
+    Raises:
+        InputError: If the shapes do not match.
+    """
+    drafts = _check_tokens(draft_tokens)
+    best = np.asarray(target_ids).astype(np.int64)
+    k = drafts.shape[0]
+    if best.shape != (k + 1,):
+        raise InputError(f"target_ids must have shape [k + 1] = [{k + 1}], got {best.shape}")
     mismatch = np.flatnonzero(drafts != best[:k])
     accepted = int(mismatch[0]) if mismatch.size else k
     out: IntArray = best[: accepted + 1].copy()

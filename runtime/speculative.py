@@ -32,8 +32,13 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
     limit = min(plan.limit, target_cache.max_len)
     t0 = time.perf_counter()
     # The prefill's last logits give the first token: no extra target call for it.
-    logits = target.forward(target_cache, np.asarray([tokens], np.int64))[0, -1:]  # [1, vocab]
-    first = sampler.verify(np.zeros(0, np.int64), None, logits, 0)
+    prompt_block = np.asarray([tokens], np.int64)
+    if sampler.greedy:
+        first = sampler.verify_ids(np.zeros(0, np.int64),
+                                   target.forward_argmax(target_cache, prompt_block, last=True)[0])
+    else:
+        logits = target.forward(target_cache, prompt_block)[0, -1:]  # [1, vocab]
+        first = sampler.verify(np.zeros(0, np.int64), None, logits, 0)
     tokens.extend(int(t) for t in first)
     # Invariant: the target cache (and the draft's, after catch-up) holds exactly the committed
     # tokens but the last one, which is fed again at the start of the next round.
@@ -58,10 +63,15 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
             drafts = proposal.tokens if proposal is not None else np.zeros(0, np.int64)
             t1 = time.perf_counter()
             block = np.concatenate([[tokens[-1]], drafts]).astype(np.int64)[None]  # [1, n+1]
-            logits = target.forward(target_cache, block)[0]  # [n + 1, vocab]
-            verify_s = time.perf_counter() - t1
-            emitted = sampler.verify(drafts, proposal.probs if proposal else None, logits,
-                                     position)
+            if sampler.greedy:  # argmax ids only (taken on the device when the backend can)
+                ids = target.forward_argmax(target_cache, block)[0]  # [n + 1]
+                verify_s = time.perf_counter() - t1
+                emitted = sampler.verify_ids(drafts, ids)
+            else:
+                logits = target.forward(target_cache, block)[0]  # [n + 1, vocab]
+                verify_s = time.perf_counter() - t1
+                emitted = sampler.verify(drafts, proposal.probs if proposal else None, logits,
+                                         position)
             # Commit: accepted drafts + one corrected/bonus token; roll caches back by length.
             tokens.extend(int(t) for t in emitted)
             target_cache.rollback(len(tokens) - 1)

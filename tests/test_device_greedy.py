@@ -1,0 +1,325 @@
+"""Greedy verification from argmax ids taken where the logits are, and steps on fixed buffers.
+
+The GPU features (the greedy head on the CUDA device, CUDA graphs) run the same code as here on
+the CPU: the greedy head session on CPU logits, and fixed buffers with a full-length mask without
+the graph capture. So every path is checked token for token against target-only decoding, with a
+spy that proves the path under test actually ran. Only the capture itself is left to the GPU
+check (`scripts/gpu_check.sh`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specedge.runtime.backend import (
+    MAX_FIXED_WIDTH,
+    NO_GRAPH,
+    GreedyHead,
+    OrtModel,
+    SessionConfig,
+    cuda_provider_options,
+    graph_run_options,
+)
+from specedge.runtime.errors import InputError, ModelError
+from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
+from specedge.runtime.sampling import SamplingParams, accept_greedy, accept_greedy_ids
+
+PROMPTS = ["the quick brown fox", "a b c d e f g a b c", "once upon a time there was",
+           "numbers 1 2 3 4 5 6 7 8"]
+SPECULATIVE = [GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=3,
+                                adaptive=False),
+               GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=5,
+                                adaptive=True),
+               GenerationConfig(max_new_tokens=24, drafter="hybrid", num_draft_tokens=4,
+                                adaptive=False)]
+
+
+def _with(pair_dir: Path, **options: object) -> Pair:
+    plan = plan_threads()
+    return Pair.load(pair_dir, plan=ThreadPlan(replace(plan.target, **options),  # type: ignore[arg-type]
+                                               replace(plan.draft, **options)))  # type: ignore[arg-type]
+
+
+class _Spy:
+    """Counts the calls of a bound method and passes them on."""
+
+    def __init__(self, obj: object, name: str) -> None:
+        self.calls = 0
+        inner = getattr(obj, name)
+
+        def wrapped(*args: object, **kwargs: object) -> object:
+            self.calls += 1
+            return inner(*args, **kwargs)
+
+        setattr(obj, name, wrapped)
+
+
+# ----------------------------------------------------------------------------- the head graph
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_greedy_head_is_numpy_argmax_with_ties_to_the_lowest_id(dtype: str) -> None:
+    rng = np.random.default_rng(0)
+    vocab = 97
+    head = GreedyHead(SessionConfig(), dtype, vocab)
+    # Small integers: most positions have a tie for the maximum.
+    logits = rng.integers(-3, 4, (5, 6, vocab)).astype(dtype)
+    logits[0, 0] = 2  # a whole row tied: id 0
+    logits[1, 2, -1] = 50  # the maximum at the last id
+    import onnxruntime as ort
+
+    ids, sums, kept = head.run(ort.OrtValue.ortvalue_from_numpy(logits), np.asarray([3, 1]))
+    assert ids.dtype == np.int64 and ids.shape == (5, 6)
+    assert (ids == np.argmax(logits, axis=-1)).all()
+    assert ids[0, 0] == 0 and ids[1, 2] == vocab - 1
+    assert np.isfinite(sums).all()
+    assert kept.dtype == logits.dtype and np.array_equal(kept, logits[[3, 1]])
+    logits[2, 4, 5] = np.nan
+    logits[4, 1, 0] = np.inf
+    _, sums, kept = head.run(ort.OrtValue.ortvalue_from_numpy(logits), np.zeros(0, np.int64))
+    assert not np.isfinite(sums[2, 4]) and not np.isfinite(sums[4, 1])
+    assert np.isfinite(np.delete(sums.ravel(), [2 * 6 + 4, 4 * 6 + 1])).all()
+    assert kept.shape == (0, 6, vocab)
+
+
+def test_accept_greedy_ids_is_accept_greedy() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        k = int(rng.integers(0, 6))
+        logits = rng.integers(0, 3, (k + 1, 5)).astype(np.float32)  # ties, short accepts
+        best = np.argmax(logits, axis=-1)
+        drafts = np.where(rng.random(k) < 0.7, best[:k], rng.integers(0, 5, k))
+        assert np.array_equal(accept_greedy_ids(drafts, best), accept_greedy(drafts, logits))
+    with pytest.raises(InputError):
+        accept_greedy_ids(np.asarray([1, 2]), np.asarray([1, 2]))
+
+
+# ----------------------------------------------------------------------------- batch 1
+
+
+def _check_batch1(pair_dir: Path, reference: Pair, prompts: list[str]) -> None:
+    on = _with(pair_dir, device_argmax=True)
+    assert on.target.head is not None and reference.target.head is None
+    spy = _Spy(on.target.head, "run")
+    for prompt in prompts:
+        want = reference.generate(prompt, GenerationConfig(max_new_tokens=24, drafter="none"))
+        alone = on.generate(prompt, GenerationConfig(max_new_tokens=24, drafter="none"))
+        assert alone.tokens == want.tokens
+        for cfg in SPECULATIVE:
+            got = on.generate(prompt, cfg)
+            assert got.tokens == want.tokens, (prompt, cfg)
+            assert got.text == want.text
+    # every target call of every greedy generation went through the head
+    assert spy.calls >= len(prompts) * (1 + len(SPECULATIVE)) * 2
+
+
+def test_device_argmax_speculative_equals_target_only(tiny_pair_dir: Path,
+                                                      tiny_pair: Pair) -> None:
+    _check_batch1(tiny_pair_dir, tiny_pair, PROMPTS)
+
+
+@pytest.mark.reference
+def test_device_argmax_speculative_equals_target_only_reference(
+        reference_pair_dir: Path, reference_pair: Pair) -> None:
+    _check_batch1(reference_pair_dir, reference_pair, PROMPTS[:2])
+
+
+def test_device_argmax_is_off_on_cpu_by_default_and_on_for_gpus() -> None:
+    assert not SessionConfig().argmax_on_device
+    assert SessionConfig(provider="cuda").argmax_on_device
+    assert SessionConfig(provider="tensorrt").argmax_on_device
+    assert not SessionConfig(provider="cuda", device_argmax=False).argmax_on_device
+    assert SessionConfig(device_argmax=True).argmax_on_device
+
+
+def test_device_argmax_refuses_nan_logits(tiny_pair_dir: Path) -> None:
+    on = _with(tiny_pair_dir, device_argmax=True)
+    assert on.target.head is not None
+    head = on.target.head
+    inner = head.run
+
+    def poisoned(logits, keep):  # noqa: ANN001, ANN202 - the sums say NaN, as the graph would
+        ids, sums, kept = inner(logits, keep)
+        sums[0, -1] = np.nan
+        return ids, sums, kept
+
+    head.run = poisoned  # type: ignore[method-assign]
+    cache = on.target.new_cache(1, 16)
+    with pytest.raises(ModelError, match="NaN or inf"):
+        on.target.forward_argmax(cache, np.asarray([[1, 2, 3]], np.int64))
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@pytest.fixture(scope="module")
+def concat_dir(fixtures_dir: Path) -> Path:
+    return fixtures_dir / "tiny-llama-concat"
+
+
+def test_device_argmax_batches_equal_batch1(concat_dir: Path) -> None:
+    off = Pair.load(concat_dir)
+    on = _with(concat_dir, device_argmax=True)
+    assert on.target.head is not None
+    spy = _Spy(on.target.head, "run")
+    sampled = SamplingParams(temperature=0.8, top_k=40, seed=11)
+    for cfg in [GenerationConfig(max_new_tokens=20, drafter="none"), *SPECULATIVE]:
+        # greedy rows next to a seeded sampled row (which still gets its logits rows)
+        configs = [cfg, cfg, replace(cfg, sampling=sampled), cfg]
+        got = on.generate_batch(PROMPTS, configs)
+        want = off.generate_batch(PROMPTS, configs)
+        for prompt, c, g, w in zip(PROMPTS, configs, got.results, want.results, strict=True):
+            assert g.tokens == w.tokens, (prompt, c)
+            if c.sampling.greedy:
+                alone = off.generate(prompt, replace(c, drafter="none", adaptive=False))
+                assert g.tokens == alone.tokens
+    assert spy.calls > 0
+
+
+def test_forward_rows_greedy_ids_and_kept_rows(concat_dir: Path) -> None:
+    on = _with(concat_dir, device_argmax=True)
+    off = Pair.load(concat_dir)
+    rows = np.asarray([0, 2, 1])
+    tokens = np.asarray([[5, 6, 7], [8, 9, 0], [10, 0, 0]], np.int64)
+    lens = np.asarray([3, 2, 1])
+    greedy = np.asarray([True, False, True])
+    results = []
+    for pair in (on, off):
+        cache = pair.target.new_cache(3, 32)
+        logits = pair.target.forward_rows(cache, rows, tokens, lens)
+        cache2 = pair.target.new_cache(3, 32)
+        ids, kept = pair.target.forward_rows_greedy(cache2, rows, tokens, lens, greedy)
+        last, _ = pair.target.forward_rows_greedy(pair.target.new_cache(3, 32), rows, tokens,
+                                                  lens, greedy, last=True)
+        assert np.array_equal(cache.lengths, cache2.lengths)
+        want = np.argmax(logits, axis=-1)
+        assert np.array_equal(ids[greedy], want[greedy]) and (ids[~greedy] == -1).all()
+        assert np.array_equal(kept, logits[~greedy])
+        assert np.array_equal(last[:, 0], np.where(greedy, want[np.arange(3), lens - 1], -1))
+        results.append((ids, kept))
+    assert np.array_equal(results[0][0], results[1][0])
+    assert np.array_equal(results[0][1], results[1][1])
+
+
+# ----------------------------------------------------------------------------- fixed buffers
+
+
+def test_fixed_buffers_give_the_same_logits(tiny_pair_dir: Path, tiny_pair: Pair) -> None:
+    fixed = _with(tiny_pair_dir, fixed_buffers=True)
+    spy = _Spy(fixed.target, "_run_fixed")
+    a, b = tiny_pair.target.new_cache(1, 40), fixed.target.new_cache(1, 40)
+    assert b.max_len == 64 and b._fixed is not None  # rounded up to share pooled buffers
+    rng = np.random.default_rng(3)
+    for width in (7, 1, 3, 1, 2, MAX_FIXED_WIDTH + 1, 4):
+        block = rng.integers(3, 300, (1, width)).astype(np.int64)
+        x = tiny_pair.target.forward(a, block)
+        y = fixed.target.forward(b, block)
+        assert np.array_equal(x, y), width
+        a.rollback(int(a.lengths[0]) - 1)  # rollback by length works the same
+        b.rollback(int(b.lengths[0]) - 1)
+    assert spy.calls == 6  # the block wider than MAX_FIXED_WIDTH ran plain
+
+
+def test_fixed_buffers_speculative_equals_target_only(tiny_pair_dir: Path,
+                                                      tiny_pair: Pair) -> None:
+    fixed = _with(tiny_pair_dir, fixed_buffers=True, device_argmax=True)
+    spy = _Spy(fixed.target, "_run_fixed")
+    for prompt in PROMPTS:
+        want = tiny_pair.generate(prompt, GenerationConfig(max_new_tokens=24, drafter="none"))
+        for cfg in SPECULATIVE:
+            assert fixed.generate(prompt, cfg).tokens == want.tokens, (prompt, cfg)
+    assert spy.calls > 0
+    # every generation gave its buffers back: one set per cache length, reused
+    assert all(len(free) == 1 for free in fixed.target._pool.values())
+
+
+def test_fixed_buffers_are_pooled_and_graph_ids_are_per_width(tiny_pair_dir: Path) -> None:
+    pair = _with(tiny_pair_dir, fixed_buffers=True)
+    model = pair.target
+    # What cuda_graph adds to fixed buffers is a graph id per (buffers, width) and its run
+    # options; the CPU provider ignores the option, so the bookkeeping runs here. (A CPU config
+    # cannot say cuda_graph=True: the field is set past its check for this test only.)
+    config = dataclasses.replace(model.config)
+    object.__setattr__(config, "cuda_graph", True)
+    model.config = config
+    first = model.new_cache(1, 30)
+    buffers = first._fixed
+    for width in (5, 1, 3, 1):
+        model.forward(first, np.ones((1, width), np.int64))
+    ids = {w: s.graph_id for w, s in buffers.steps.items()}
+    assert sorted(ids) == [1, 3, 5] and len(set(ids.values())) == 3
+    assert all(i is not None and i >= 1 for i in ids.values())
+    for step in buffers.steps.values():
+        assert step.run_options is not None
+        assert step.run_options.get_run_config_entry("gpu_graph_id") == str(step.graph_id)
+    del first
+    second = model.new_cache(1, 50)  # same rounded length: the same buffers and graphs
+    assert second._fixed is buffers
+    other = model.new_cache(1, 50)  # while `second` holds them: new buffers, new graph ids
+    assert other._fixed is not buffers
+    model.forward(other, np.ones((1, 1), np.int64))
+    assert other._fixed.steps[1].graph_id not in ids.values()
+
+
+def test_fixed_buffers_need_a_gqa_shared_model(concat_dir: Path) -> None:
+    with pytest.raises(InputError, match="gqa-shared"):
+        _with(concat_dir, fixed_buffers=True)
+
+
+# ----------------------------------------------------------------------------- CUDA graph options
+
+
+def test_cuda_graph_needs_the_cuda_provider() -> None:
+    for provider in ("cpu", "tensorrt"):
+        with pytest.raises(InputError, match="cuda_graph needs provider 'cuda'"):
+            SessionConfig(provider=provider, cuda_graph=True)
+    cfg = SessionConfig(provider="cuda", cuda_graph=True, device_id=1)
+    assert cfg.fixed and cfg.argmax_on_device
+    assert cuda_provider_options(cfg) == {"device_id": "1", "enable_cuda_graph": "1"}
+    assert cuda_provider_options(SessionConfig(provider="cuda")) == {"device_id": "0"}
+    assert not SessionConfig().fixed
+
+
+def test_graph_run_options() -> None:
+    assert graph_run_options(None) is None
+    assert graph_run_options(7).get_run_config_entry("gpu_graph_id") == "7"
+    assert graph_run_options(NO_GRAPH).get_run_config_entry("gpu_graph_id") == "-1"
+    with pytest.raises(AssertionError):
+        graph_run_options(0)  # ONNX Runtime's own default id
+
+
+def test_plain_runs_of_a_graph_session_are_kept_out_of_capture(tiny_pair_dir: Path) -> None:
+    pair = _with(tiny_pair_dir, fixed_buffers=True)
+    model = pair.target
+    seen: list[object] = []
+    session = model.session
+    inner = session.run_with_iobinding
+
+    def record(binding, options=None):  # noqa: ANN001, ANN202
+        seen.append(options.get_run_config_entry("gpu_graph_id") if options else None)
+        return inner(binding, options)
+
+    session.run_with_iobinding = record  # type: ignore[method-assign]
+    config = dataclasses.replace(model.config)
+    object.__setattr__(config, "cuda_graph", True)
+    model.config = config
+    cache = model.new_cache(1, 64)
+    model.forward(cache, np.ones((1, MAX_FIXED_WIDTH + 2), np.int64))  # a long prefill: plain
+    model.forward(cache, np.ones((1, 1), np.int64))  # a step: its graph
+    assert seen[0] == str(NO_GRAPH) and seen[1] not in (None, str(NO_GRAPH), "0")
+
+
+def test_ortmodel_is_unchanged_for_drafters(tiny_pair: Pair) -> None:
+    """The drafters' interface: `forward` returns host logits that the next call does not
+    overwrite."""
+    model: OrtModel = tiny_pair.target
+    cache = model.new_cache(1, 16)
+    first = model.forward(cache, np.asarray([[1, 2]], np.int64))
+    kept = first.copy()
+    model.forward(cache, np.asarray([[3, 4]], np.int64))
+    assert np.array_equal(first, kept)
