@@ -9,19 +9,26 @@ fails or is killed by its timeout leaves the others' results; `report` reads wha
           (models/smollm2-135m-gpu.sh: fp16 target + int4 draft for CUDA; and fp32 + int4 for
           CPU, the CPU side of the agreement check), and random-weight pairs of realistic shape
           (Qwen2.5-1.5B target + Qwen2.5-0.5B draft, Llama-3.2-1B target + int4 self-draft)
-  check   greedy speculative (K=3 and adaptive) == greedy target-only on CUDA, 20 prompts; top-1
-          agreement of the CUDA pair with the CPU pair (and with itself on the CPU provider),
-          teacher-forced on the target-only outputs
+  check   greedy speculative (K=3 and adaptive) == greedy target-only on CUDA, 20 prompts, also
+          with CUDA graphs on and with the argmax on the host; top-1 agreement of the CUDA pair
+          with the CPU pair (and with itself on the CPU provider), teacher-forced on the
+          target-only outputs
   bench   per pair, interleaved prompt by prompt within each repetition: specedge target-only,
-          fixed K sweep, adaptive K (and, on the reference pair, the draft on the CPU; and CUDA
-          graphs on/off when the runtime's SessionConfig has a `*graph*` switch), ORT GenAI on
-          the same ONNX files target-only and speculative; then per-call costs
+          fixed K sweep, adaptive K, CUDA graphs on (off is the default) and the argmax on the
+          host (on the device is the default) for target-only and K=3 (and, on the reference
+          pair, the draft on the CPU), ORT GenAI on the same ONNX files target-only and
+          speculative; host time per round; then per-call costs
+  batch   batched decoding (issue 19) on the concat-form reference pair, B = 1..32: aggregate
+          tok/s of batched target-only, fixed K and adaptive K, greedy rows == their batch-1
+          target-only runs, and verify(B x (K+1)) / verify(B x 1) per B
   hf      transformers `generate` and assisted generation on the GPU (fp16), same prompt ids
-  report  OUT/gpu_h200.{md,json} (OUT/gpu_cpu_smoke.{md,json} with --cpu-smoke)
+  report  OUT/gpu_h200.{md,json} and OUT/gpu_batching.md (OUT/gpu_cpu_smoke.{md,json} with
+          --cpu-smoke)
 
---cpu-smoke runs the same code on the CPU with the tiny fixture pair ($SPECEDGE_FIXTURES/
-tiny-llama) and one tiny random-weight shape, in well under a minute; its figures are not GPU
-figures and its report says so.
+--cpu-smoke runs the same code on the CPU with the tiny fixture pairs ($SPECEDGE_FIXTURES/
+tiny-llama and tiny-llama-concat) and one tiny random-weight shape, in about a minute; CUDA graphs
+become fixed buffers there (the same steps without the capture) and the argmax variants swap
+(host is the CPU default). Its figures are not GPU figures and its report says so.
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ class Plan:
     repeats: int
     ks: tuple[int, ...]
     shape_ks: tuple[int, ...]
+    batches: tuple[int, ...]
+    batch_ks: tuple[int, ...]
+    batch_new: int
 
     @property
     def parts(self) -> Path:
@@ -77,9 +87,10 @@ class Plan:
 def make_plan(args: argparse.Namespace) -> Plan:
     deadline = args.deadline or time.time() + 600
     if args.cpu_smoke:
-        return Plan(True, args.work, args.out, deadline, "cpu", 4, 16, 2, 16, 1, (1, 3), (2,))
+        return Plan(True, args.work, args.out, deadline, "cpu", 4, 16, 2, 16, 1, (1, 3), (2,),
+                    (1, 2, 4), (2,), 12)
     return Plan(False, args.work, args.out, deadline, "cuda", 20, 48, 6, 64, 3, (1, 2, 3, 4, 6),
-                (2, 4))
+                (2, 4), (1, 2, 4, 8, 16, 32), (2, 4), 32)
 
 
 def write_part(plan: Plan, name: str, data: dict[str, Any]) -> None:
@@ -202,7 +213,8 @@ def export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[str]]
                                                  "--force"])]
     gpu = ["--provider", "cuda", "--precision", "fp16", "--draft-precision", "int4",
            "--no-validate", "--force"]
-    p = {n: w / "pairs" / n for n in ("ref-cuda", "ref-cpu", "qwen2.5-1.5b", "llama-3.2-1b")}
+    p = {n: w / "pairs" / n for n in ("ref-cuda", "ref-cpu", "qwen2.5-1.5b", "llama-3.2-1b",
+                                       "ref-concat")}
     return [
         ("ref-cuda", p["ref-cuda"], ("smollm2",),  # the recipe itself, validated
          ["bash", str(ROOT / "models" / "smollm2-135m-gpu.sh"), str(p["ref-cuda"]),
@@ -215,6 +227,11 @@ def export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[str]]
                  str(p["qwen2.5-1.5b"]), *gpu]),
         ("llama-3.2-1b", p["llama-3.2-1b"], ("llama-3.2-1b",),
          spec + [str(hf / "llama-3.2-1b"), "-o", str(p["llama-3.2-1b"]), *gpu]),
+        # batched speculation needs the concat form (GroupQueryAttention refuses batch > 1 with
+        # several new tokens after a past, on CUDA as on the CPU): fp32 + int4 self-draft
+        ("ref-concat", p["ref-concat"], ("smollm2",),
+         spec + [str(hf / "smollm2"), "-o", str(p["ref-concat"]), "--precision", "fp32",
+                 "--draft-precision", "int4", "--graph", "concat", "--no-validate", "--force"]),
     ]
 
 
@@ -358,6 +375,25 @@ def check(plan: Plan) -> None:
     result["rows"] = rows
     write_part(plan, "check", result)
     print(f"check: speculative == target-only {result['equal']} of {len(rows)} prompts")
+    # The same with each runtime variant (CUDA graphs on, the argmax on the host): target-only
+    # and K=3 must give the default target-only's tokens.
+    result["variants"] = {}
+    for label, fields in variants(plan).items():
+        if plan.left() < 25:
+            result["variants"][label] = {"error": "no time left"}
+            continue
+        try:
+            other = load_variant(info.folder, plan, fields)
+            same = {"target-only": 0, "K=3": 0}
+            for prompt, ref in zip(ids, outputs, strict=True):
+                same["target-only"] += other.generate_ids(prompt, base)[0] == ref
+                same["K=3"] += other.generate_ids(prompt, configs["K=3"])[0] == ref
+            result["variants"][label] = {**same, "prompts": len(ids)}
+            del other
+        except Exception as exc:  # reported, not fatal: the agreement check still runs
+            result["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        write_part(plan, "check", result)
+    print(f"check: variants {json.dumps(result['variants'])}")
     # Top-1 agreement, teacher-forced on prompt + target-only output: this pair on its provider
     # against the CPU pair (fp32 reference) and against this same file on the CPU provider.
     sequences = [p + o for p, o in zip(ids, outputs, strict=True)]
@@ -407,12 +443,29 @@ def top2_margin(pair: Any, seq: list[int]) -> float:
 # ----------------------------------------------------------------------------- bench
 
 
-def cuda_graph_field() -> str | None:
-    """The SessionConfig switch for CUDA graphs, if this runtime has one."""
+def variants(plan: Plan) -> dict[str, dict[str, Any]]:
+    """The runtime switches measured against the default session settings: label suffix ->
+    SessionConfig fields. On CUDA: CUDA graphs on (default off) and the argmax on the host
+    (default: on the device). On the CPU smoke, the same code paths: fixed buffers (CUDA graphs
+    without the capture) and the argmax on the device (default: on the host)."""
     from specedge.runtime.backend import SessionConfig
 
-    return next((f.name for f in dataclasses.fields(SessionConfig)
-                 if "graph" in f.name and f.name != "graph_optimization"), None)
+    names = {f.name for f in dataclasses.fields(SessionConfig)}
+    if plan.provider == "cuda":
+        out = {"cuda graphs": {"cuda_graph": True}, "host argmax": {"device_argmax": False}}
+    else:
+        out = {"fixed buffers": {"fixed_buffers": True}, "device argmax": {"device_argmax": True}}
+    return {label: fields for label, fields in out.items() if set(fields) <= names}
+
+
+def load_variant(folder: Path, plan: Plan, fields: dict[str, Any]) -> Any:
+    """The pair on `plan.provider` with these SessionConfig fields set on both models."""
+    from specedge.runtime.pair import Pair, ThreadPlan, plan_threads
+
+    threads = plan_threads(plan.provider, plan.provider)
+    return Pair.load(folder, plan=ThreadPlan(dataclasses.replace(threads.target, **fields),
+                                             dataclasses.replace(threads.draft, **fields)),
+                     providers=plan.provider, verify_hashes=False)
 
 
 def genai_folder(pair_dir: Path, out: Path, draft: bool, provider: str) -> Path:
@@ -485,9 +538,8 @@ def phase_bench(plan: Plan, only: str | None = None) -> None:
 
 
 def bench_pair(plan: Plan, info: PairInfo, until: float) -> None:
-    from specedge.runtime.backend import SessionConfig
     from specedge.runtime.bench import measure_costs
-    from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan
+    from specedge.runtime.pair import GenerationConfig, Pair
 
     name = f"bench-{info.name}"
     result: dict[str, Any] = {"pair": str(info.folder), "provider": plan.provider,
@@ -514,16 +566,15 @@ def bench_pair(plan: Plan, info: PairInfo, until: float) -> None:
     if info.real_weights and plan.provider == "cuda" and pair.draft is not None:
         split = Pair.load(info.folder, providers=("cuda", "cpu"), verify_hashes=False)
         settings["specedge K=3, draft on cpu"] = ours(split, 3)
-    field = cuda_graph_field() if plan.provider == "cuda" else None
-    if field:
-        cfg = SessionConfig(provider="cuda", intra_op_threads=1, **{field: True})
-        graphs = Pair.load(info.folder, plan=ThreadPlan(cfg, cfg), providers="cuda",
-                           verify_hashes=False)
-        settings["specedge target-only, cuda graphs"] = ours(graphs, None)
-        if graphs.draft is not None:
-            settings["specedge K=3, cuda graphs"] = ours(graphs, 3)
-    elif plan.provider == "cuda":
-        notes.append("CUDA graphs not measured: runtime.backend.SessionConfig has no graph switch")
+    for label, fields in variants(plan).items():
+        try:
+            other = load_variant(info.folder, plan, fields)
+        except Exception as exc:  # e.g. the EP refuses graphs for this model: say so, go on
+            notes.append(f"{label} not measured: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        settings[f"specedge target-only, {label}"] = ours(other, None)
+        if other.draft is not None:
+            settings[f"specedge K=3, {label}"] = ours(other, 3)
     try:
         from anchors import ort_genai
 
@@ -611,6 +662,97 @@ def roofline(plan: Plan, info: PairInfo) -> dict[str, Any]:
     b["bandwidth_bytes_per_s"] = HBM_BYTES_PER_S
     b["precision"] = m.target.precision
     return b
+
+
+# ----------------------------------------------------------------------------- batch
+
+
+def batch_pairs(plan: Plan) -> list[PairInfo]:
+    """The concat-form pairs batched decoding runs on."""
+    if plan.smoke:
+        fixtures = Path(os.environ.get("SPECEDGE_FIXTURES", ROOT / ".cache" / "fixtures"))
+        return [PairInfo("reference", fixtures / "tiny-llama-concat", None, None, None, "tiny",
+                         True)]
+    return [PairInfo("reference", plan.work / "pairs" / "ref-concat", None, None, None,
+                     "smollm2-135m", True)]
+
+
+def phase_batch(plan: Plan) -> None:
+    for info in batch_pairs(plan):
+        name = f"batch-{info.name}"
+        if not wait_for(info.folder, plan, reserve=20):
+            write_part(plan, name, {"error": f"{info.folder} was not built"})
+            continue
+        try:
+            batch_sweep(plan, info, name)
+        except Exception as exc:  # the report says why
+            write_part(plan, name, {"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            print(f"batch {info.name}: {type(exc).__name__}: {exc}")
+
+
+def run_batch(pair: Any, prompts: list[list[int]], cfg: Any) -> tuple[list[list[int]], Any]:
+    """One batch of token-id prompts (greedy); the rows' new tokens and the batch totals."""
+    from specedge.runtime.batch import RowRequest, decode_batch
+    from specedge.runtime.rounds import RowOutput
+
+    dplan = pair.plan(cfg)
+    requests = [RowRequest(list(p), RowOutput(cfg.max_new_tokens, pair.manifest.eos_token_ids))
+                for p in prompts]
+    max_len = dplan.cache_len(max(len(p) for p in prompts), cfg.max_new_tokens)
+    rows, totals = decode_batch(pair.target, pair.draft, dplan, requests, max_len=max_len)
+    return [list(r.generated) for r in rows], totals
+
+
+def batch_sweep(plan: Plan, info: PairInfo, name: str) -> None:
+    """Aggregate tok/s of batched target-only, fixed K and adaptive K at each B (interleaved on
+    the same batch), greedy rows against batch-1 target-only, and verify(B x (K+1)) /
+    verify(B x 1)."""
+    from specedge.runtime.batch_bench import measure_batch_costs
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    pair = Pair.load(info.folder, providers=plan.provider, verify_hashes=False)
+    result: dict[str, Any] = {"pair": str(info.folder), "provider": plan.provider,
+                              "graph": pair.manifest.target.graph, "new_tokens": plan.batch_new,
+                              "ks": list(plan.batch_ks), "rows": {}, "notes": []}
+    ids = prompt_ids(info, max(plan.batches))
+    new = plan.batch_new
+    target_only = GenerationConfig(max_new_tokens=new, drafter="none")
+    settings = {"target-only": target_only}
+    if pair.draft is not None:
+        settings.update({f"K={k}": GenerationConfig(max_new_tokens=new, drafter="model",
+                                                   num_draft_tokens=k, adaptive=False)
+                         for k in plan.batch_ks})
+        settings["adaptive"] = GenerationConfig(max_new_tokens=new, drafter="model",
+                                                num_draft_tokens=max(plan.batch_ks),
+                                                adaptive=True)
+    run_batch(pair, ids[:2], settings[list(settings)[-1]])  # warm-up
+    alone: list[list[int]] = []  # batch-1 target-only outputs, the exactness reference
+    for batch in plan.batches:
+        if plan.left() < (20 if not plan.smoke else 5):
+            result["notes"].append(f"stopped before B={batch} (time)")
+            break
+        while len(alone) < batch:
+            alone.append(pair.generate_ids(ids[len(alone)], target_only)[0])
+        row: dict[str, Any] = {}
+        for label, cfg in settings.items():
+            outs, st = run_batch(pair, ids[:batch], cfg)
+            row[label] = {"tokens_per_s": st.tokens_per_s, "acceptance": st.acceptance_rate,
+                          "rounds": st.rounds, "new_tokens": st.new_tokens,
+                          "host_ms_per_round": 1000 * max(0.0, st.decode_s - st.draft_s
+                                                          - st.verify_s) / max(1, st.rounds),
+                          "equal_to_batch1": sum(o == a for o, a in zip(outs, alone,
+                                                                        strict=False))}
+        costs = measure_batch_costs(pair, batch, plan.batch_ks, reps=3 if plan.smoke else 5)
+        row["costs"] = costs
+        row["verify_ratio"] = {f"K={k}": costs[f"verify_{k + 1}"] / costs["verify_1"]
+                               for k in plan.batch_ks if f"verify_{k + 1}" in costs}
+        result["rows"][str(batch)] = row
+        write_part(plan, name, result)
+        base = row["target-only"]["tokens_per_s"]
+        print(f"batch {info.name} B={batch}: " + ", ".join(
+            f"{k} {v['tokens_per_s']:.0f} tok/s ({v['tokens_per_s'] / base:.2f}x)"
+            for k, v in row.items() if isinstance(v, dict) and "tokens_per_s" in v))
+    write_part(plan, name, result)
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -702,7 +844,8 @@ def hf_generate(model: Any, assistant: Any, prompt: list[int], new: int, k: int,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=("env", "build", "check", "bench", "hf", "report"))
+    ap.add_argument("phase", choices=("env", "build", "check", "bench", "batch", "hf",
+                                      "report"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/specedge-gpu"))
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--cpu-smoke", action="store_true")
@@ -716,7 +859,8 @@ def main(argv: list[str] | None = None) -> int:
 
         gpu_report.write(plan.parts, plan.out, smoke=plan.smoke)
         return 0
-    phases = {"env": phase_env, "build": phase_build, "check": phase_check, "hf": phase_hf}
+    phases = {"env": phase_env, "build": phase_build, "check": phase_check, "hf": phase_hf,
+              "batch": phase_batch}
     if args.phase == "bench":
         phase_bench(plan, args.pair)
     else:

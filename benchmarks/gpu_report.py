@@ -92,6 +92,79 @@ def bars(data: dict[str, Any]) -> list[dict[str, Any]]:
     out.append({"bar": "CUDA graphs measured on and off; host time per round reported",
                 "measured": ", ".join(graphs) if graphs else "not measured",
                 "passed": None if not graphs else True})
+    for label, v in check.get("variants", {}).items():
+        ok = "error" not in v
+        out.append({"bar": f"{label}: target-only and K=3 == default target-only, all prompts",
+                    "measured": (f"target-only {v['target-only']}/{v['prompts']}, K=3 "
+                                 f"{v['K=3']}/{v['prompts']}") if ok else v["error"][:200],
+                    "passed": (v["target-only"] == v["K=3"] == v["prompts"]) if ok else None})
+    return out + batch_bars(data)
+
+
+def batch_bars(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The bars of issue 19 that the batch phase measures (on the reference pair)."""
+    rows = data.get("batch-reference", {}).get("rows", {})
+    if not rows:
+        return [{"bar": "batched greedy rows == their batch-1 runs (issue 19)",
+                 "measured": "not measured", "passed": None}]
+    equal = [(b, label, v["equal_to_batch1"], int(b)) for b, r in rows.items()
+             for label, v in r.items() if isinstance(v, dict) and "equal_to_batch1" in v]
+    bad = [f"B={b} {label}: {n}/{m}" for b, label, n, m in equal if n != m]
+    out = [{"bar": "batched greedy rows == their batch-1 runs, token for token (issue 19)",
+            "measured": "all equal" if not bad else "; ".join(bad),
+            "passed": not bad}]
+    worst = None
+    for b, r in rows.items():
+        base, adaptive = r.get("target-only", {}), r.get("adaptive", {})
+        if base.get("tokens_per_s") and adaptive.get("tokens_per_s"):
+            ratio = adaptive["tokens_per_s"] / base["tokens_per_s"]
+            worst = (b, ratio) if worst is None or ratio < worst[1] else worst
+    out.append({"bar": "adaptive K never below batched target-only by more than 3% (reference "
+                       "pair; issue 19 asks it of a realistic-shape target)",
+                "measured": f"lowest {worst[1]:.2f}x at B={worst[0]}" if worst else
+                            "not measured",
+                "passed": None if worst is None else worst[1] >= 0.97})
+    return out
+
+
+def batching_markdown(data: dict[str, Any], smoke: bool) -> list[str]:
+    """The batch sweep: aggregate tok/s per B and setting, the verify cost ratios."""
+    b = data.get("batch-reference")
+    if not b:
+        return []
+    out = ["", "## Batched decoding (issue 19)", ""]
+    if "error" in b:
+        return out + [f"not measured: {b['error']}"]
+    out += [f"Pair {b['pair']} ({b['graph']} form) on {b['provider']}, greedy, "
+            f"{b['new_tokens']} new tokens per row; rows are the first B prompts. Aggregate "
+            "tok/s = all rows' new tokens after the first / decode seconds. Greedy rows are "
+            "compared with their batch-1 target-only runs.", ""]
+    rows = b.get("rows", {})
+    labels = [k for k in next(iter(rows.values()), {}) if k not in ("costs", "verify_ratio")]
+    out += ["| B | " + " | ".join(f"{k} tok/s" for k in labels) + " | best speed-up | "
+            "acceptance (K) | verify(B×(K+1))/verify(B×1) | host ms/round (target-only) | "
+            "rows == batch 1 |",
+            "|---" * (len(labels) + 6) + "|"]
+    for batch, r in rows.items():
+        base = r["target-only"]["tokens_per_s"]
+        best = max((r[k]["tokens_per_s"] for k in labels), default=float("nan"))
+        acc = ", ".join(f"{k} {_f(r[k]['acceptance'], '.2f')}" for k in labels
+                        if k != "target-only")
+        ratio = ", ".join(f"{k} {v:.2f}" for k, v in r.get("verify_ratio", {}).items())
+        eq = min(r[k]["equal_to_batch1"] for k in labels)
+        out.append(f"| {batch} | " + " | ".join(_f(r[k]["tokens_per_s"]) for k in labels)
+                   + f" | {_f(best / base if base else float('nan'), '.2f')}x | {acc} | "
+                   f"{ratio} | {_f(r['target-only']['host_ms_per_round'], '.3f')} | "
+                   f"{eq}/{batch} |")
+    out += [f"- {n}" for n in b.get("notes", [])]
+    if b.get("graph") == "concat":
+        out.append("- The concat form keeps the KV cache in host memory and copies each row's "
+                   "past to the device every call (`OrtModel.forward_rows`): on a GPU these "
+                   "figures measure that copy as much as the model. GroupQueryAttention (the "
+                   "in-place device cache) refuses batch > 1 with several new tokens after a "
+                   "past on CUDA as on the CPU.")
+    if smoke:
+        out.append("- CPU smoke run: tiny fixture pair, not GPU figures.")
     return out
 
 
@@ -201,6 +274,11 @@ def markdown(data: dict[str, Any], smoke: bool) -> str:
                        + (f"{100 * a['top1_agreement']:.2f}% of {a['positions']} positions, "
                           f"max |Δlogit| {a['max_abs_logit_diff']:.3g}" if "top1_agreement" in a
                           else a.get("error", "?")))
+        for label, v in check.get("variants", {}).items():
+            out.append(f"- {label}: " + (f"target-only {v['target-only']}/{v['prompts']}, K=3 "
+                                         f"{v['K=3']}/{v['prompts']} prompts equal to the "
+                                         "default target-only" if "error" not in v
+                                         else v["error"]))
     for key in sorted(k for k in data if k.startswith("bench-")):
         bench, name = data[key], key[len("bench-"):]
         out += ["", f"## {name}" + ("" if bench.get("real_weights", True)
@@ -231,6 +309,7 @@ def markdown(data: dict[str, Any], smoke: bool) -> str:
                 out.append("- PREDICTED speed-ups with the reference pair's acceptance and this "
                            "pair's measured costs: " + ", ".join(
                                f"K={p['k']} {p['predicted_speedup']:.2f}x" for p in pred))
+    out += batching_markdown(data, smoke)
     hf = data.get("hf", {})
     if hf:
         out += ["", f"## transformers ({hf.get('device')}, {hf.get('dtype')})", ""]
@@ -252,6 +331,21 @@ def write(parts: Path, out_dir: Path, smoke: bool) -> tuple[Path, Path]:
     js.write_text(json.dumps({"smoke": smoke, "bars": bars(data), **data}, indent=2,
                              default=str) + "\n")
     print(f"report: {md} and {js}")
+    batch = batching_markdown(data, smoke)
+    if batch and not smoke and "error" not in data.get("batch-reference", {}):
+        # the GPU batch figures also get their own page (issue 19)
+        env = data.get("env", {}).get("doctor", {})
+        gpu = (env.get("gpus") or [{"name": "no GPU"}])[0]["name"]
+        page = out_dir / "gpu_batching.md"
+        page.write_text("\n".join([f"# Batched decoding on {gpu}", "",
+                                   f"Written by `scripts/gpu_check.sh` on "
+                                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; raw "
+                                   f"data in {js.name} (`batch-reference`).",
+                                   *batch[3:], "", "## Bars (issue 19)", "",
+                                   "| bar | measured | passed |", "|---|---|---|",
+                                   *[f"| {b['bar']} | {b['measured']} | {b['passed']} |"
+                                     for b in batch_bars(data)]]) + "\n")
+        print(f"report: {page}")
     for b in bars(data):
         state = "NOT MEASURED" if b["passed"] is None else "PASS" if b["passed"] else "FAIL"
         print(f"  [{state}] {b['bar']}: {b['measured']}")

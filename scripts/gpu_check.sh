@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check of issue 13: build realistic pairs on the GPU machine, check greedy speculative ==
 # target-only and CUDA vs CPU agreement, measure specedge against ORT GenAI CUDA and transformers,
-# and write OUT/gpu_h200.md + OUT/gpu_h200.json (OUT: $OUT when set, else docs/results).
+# measure batched decoding (issue 19), and write OUT/gpu_h200.md + OUT/gpu_h200.json, and
+# OUT/gpu_batching.md for the batch figures (OUT: $OUT when set, else docs/results).
 #
 # On the GPU machine, after the staged wheels have arrived (../shared/gpu/stage.sh --with-smollm2,
 # then .gpu/bin/receive.sh; see DEVELOPERS.md):
 #     bash scripts/gpu_check.sh                 # sources .gpu/bin/env.sh itself when present
-# On any machine, the same Python code on the CPU with the tiny fixture pairs (< 1 minute):
+# On any machine, the same Python code on the CPU with the tiny fixture pairs (a few minutes):
 #     SPECEDGE_FIXTURES=$PWD/.cache/fixtures bash scripts/gpu_check.sh --cpu-smoke
 #
 # Each phase runs in its own process under `timeout`, inside one overall budget
@@ -16,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
 [ "${1:-}" = "--cpu-smoke" ] && MODE=cpu-smoke
-BUDGET=${GPU_CHECK_BUDGET_S:-$([ $MODE = gpu ] && echo 450 || echo 120)}
+BUDGET=${GPU_CHECK_BUDGET_S:-$([ $MODE = gpu ] && echo 450 || echo 180)}
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 OUT_DIR=${OUT:-docs/results}
@@ -66,16 +67,18 @@ run_phase() {
 }
 
 if [ $MODE = gpu ]; then
-  run_phase env 40
-  run_phase build 200     # exports still running at the end go on in the background
-  run_phase check 60
-  run_phase bench 150     # waits (bounded) for pairs still exporting
-  run_phase hf 60
+  run_phase env 30
+  run_phase build 170     # exports still running at the end go on in the background
+  run_phase check 60      # also with CUDA graphs on and with the argmax on the host
+  run_phase bench 120     # waits (bounded) for pairs still exporting
+  run_phase batch 60      # issue 19: B = 1..32 on the concat-form reference pair
+  run_phase hf 45
 else
   run_phase env 20
   run_phase build 60
-  run_phase check 20
-  run_phase bench 30
+  run_phase check 30
+  run_phase bench 40
+  run_phase batch 30
   run_phase hf 20
 fi
 # the report always runs, even past the budget
