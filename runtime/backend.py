@@ -746,20 +746,23 @@ class OrtModel:
             raise self._not_finite()
         return logits
 
-    def forward_argmax(self, cache: KVCache, tokens: np.ndarray) -> np.ndarray:
+    def forward_argmax(self, cache: KVCache, tokens: np.ndarray, *, last: bool = False
+                       ) -> np.ndarray:
         """As `forward`, but return only the argmax of each position's logits: ids
-        `[batch, new]` int64 (ties to the lowest id, as numpy's argmax).
+        `[batch, new]` int64 (ties to the lowest id, as numpy's argmax); `[batch, 1]`, the last
+        position's, with `last` (a prefill).
 
         With `SessionConfig.argmax_on_device` the greedy head takes it where the logits are and
         only the ids cross to the host; otherwise numpy takes it from the host logits. Both
         give the same ids, and both raise `ModelError` on NaN or inf logits.
         """
         if self.head is None:
-            return np.argmax(self.forward(cache, tokens), axis=-1).astype(np.int64)
+            logits = self.forward(cache, tokens)
+            return np.argmax(logits[:, -1:] if last else logits, axis=-1).astype(np.int64)
         ids, sums, _ = self.head.run(_value(self._step(cache, tokens)), _NO_ROWS)
         if not np.isfinite(sums).all():
             raise self._not_finite()
-        return ids
+        return ids[:, -1:] if last else ids
 
     def _not_finite(self) -> ModelError:
         return ModelError(
@@ -817,13 +820,14 @@ class OrtModel:
         return out
 
     def forward_rows_greedy(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
-                            new_lens: np.ndarray, greedy: np.ndarray
+                            new_lens: np.ndarray, greedy: np.ndarray, *, last: bool = False
                             ) -> tuple[np.ndarray, np.ndarray]:
         """`forward_rows` for a batch where the rows with `greedy[i]` need only the argmax.
 
         Returns:
-            ids `[len(rows), width]` int64: each position's argmax for greedy rows (ties to the
-            lowest id), -1 for the others; and the logits of the other rows, in order
+            ids `[len(rows), width]` int64: the argmax at each fed position of a greedy row
+            (ties to the lowest id), -1 elsewhere (`[len(rows), 1]`, each row's last fed
+            position, with `last`); and the logits of the other rows, in order
             `[count(~greedy), width, vocab]`. With `argmax_on_device` the greedy head computes
             both where the logits are, so the greedy rows' logits never reach the host.
 
@@ -831,18 +835,30 @@ class OrtModel:
             ModelError: NaN or inf logits at a fed position.
         """
         greedy = np.asarray(greedy, dtype=bool)
+        new_lens = np.asarray(new_lens, dtype=np.int64)
         logits, valid = self._rows_step(cache, rows, tokens, new_lens)
         if self.head is not None:
             ids, sums, kept = self.head.run(_value(logits), np.flatnonzero(~greedy))
             if not np.isfinite(sums[valid]).all():
                 raise self._not_finite()
+            if last:
+                ids = ids[np.arange(len(greedy)), new_lens - 1][:, None]
+            else:
+                ids[~valid] = -1
         else:
             host = _host(logits)
             if not math.isfinite(float(host[valid].sum(dtype=np.float64))):
                 raise self._not_finite()
-            ids = np.full(tokens.shape, -1, np.int64)
-            ids[greedy] = np.argmax(host[greedy], axis=-1)
-            kept = host[~greedy]
+            # Row by row over the fed positions only (views: no copy of the logits); with
+            # `last`, only each row's last position (a prefill's others are not argmaxed).
+            ids = np.full((len(greedy), 1) if last else tokens.shape, -1, np.int64)
+            for i in np.flatnonzero(greedy):
+                n = int(new_lens[i])
+                if last:
+                    ids[i, 0] = np.argmax(host[i, n - 1])
+                else:
+                    ids[i, :n] = np.argmax(host[i, :n], axis=-1)
+            kept = host[~greedy] if not greedy.all() else host[:0]
         ids[~greedy] = -1
         return ids, kept
 
