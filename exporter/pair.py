@@ -407,10 +407,12 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
             build.mkdir(parents=True, exist_ok=True)
             say(f"quantizing the {name} ({method})")
             # The same quantizer as `specedge quantize --method ...`, from the fp32 files.
-            quantize.run_isolated(settings, fp32.onnx_path, build / "model.onnx", [], work)
+            peak = quantize.run_isolated(settings, fp32.onnx_path, build / "model.onnx", [],
+                                         work)
             info = dataclasses.replace(fp32, onnx_path=build / "model.onnx")
             quant = {"method": method, "block_size": settings.block_size,
-                     "accuracy_level": settings.accuracy_level, "symmetric": settings.symmetric}
+                     "accuracy_level": settings.accuracy_level, "symmetric": settings.symmetric,
+                     "peak_rss_mib": peak}
             precision = settings.precision  # int8-rtn is an int8 model
     moved = onnx_export.move_model(info.onnx_path, tmp / name)
     files = {str(p.relative_to(tmp)): sha256_file(p) for p in moved}

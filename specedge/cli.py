@@ -367,6 +367,9 @@ def main(verbose: int) -> None:
     # The root handler is set here, so that libraries that call logging.basicConfig(INFO) on
     # import (onnxruntime.quantization's matmul_nbits_quantizer) print nothing without -v.
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    if not verbose:  # nor their progress bars (transformers' GGUF and weight loading)
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if verbose:
         from specedge.runtime.backend import set_log_severity
 

@@ -26,15 +26,29 @@ def _table_copies(onnx_file: Path, vocab: int, hidden: int) -> list[str]:
 
 @pytest.mark.parametrize(("graph", "tied"), [("concat", True), ("gqa-shared", True),
                                              ("gqa-shared", False)])
-def test_pair_is_lean_and_exact(tmp_path: Path, graph: str, tied: bool) -> None:
+def test_pair_is_lean_and_exact(tmp_path: Path, graph: str, tied: bool,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from specedge.exporter import onnx_export
     from specedge.exporter.pair import ExportOptions, export_pair
     from specedge.exporter.tiny import make_tiny_model
     from specedge.runtime.pair import GenerationConfig, Pair
 
+    builds: list[str] = []
+    build_gqa = onnx_export.build_gqa
+
+    def counted(hf_dir: Path, out: Path, precision: str, *args: object) -> object:
+        builds.append(precision)
+        return build_gqa(hf_dir, out, precision, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(onnx_export, "build_gqa", counted)
     hf = make_tiny_model("llama", tmp_path / "hf", seed=3, tied=tied)
     out = tmp_path / "pair"
     report = export_pair(ExportOptions(target=str(hf), output=out, graph=graph,
                                        draft_precision="int4"))
+    # One fp32 build: the int4 self-draft is quantized from the target's files (in a child
+    # process), not built a second time (issue 17: the builder's int4 run was the peak).
+    assert builds == ([] if graph == "concat" else ["fp32"])
+    assert report.manifest.draft.source["quantization"]["method"] == "int4-rtn"
     for name in ("target", "draft"):
         spec = getattr(report.manifest, name)
         assert spec.validation["passed"]
