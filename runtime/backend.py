@@ -9,6 +9,15 @@ length (the attention mask says how many cached positions are valid). On CUDA th
 the device. The `concat` form (standard ops, `present = concat(past, new)`) copies the valid part
 of the cache each call; it exists for graphs the GQA builder cannot produce.
 
+On a GPU only what the host needs leaves the device. Greedy verification (`forward_argmax`,
+`forward_rows_greedy`) runs a tiny shipped graph (`GreedyHead`, `data/greedy_head_*.onnx`) on the
+logits where the model wrote them and copies back token ids (and the logits rows of sampled rows
+only). With `SessionConfig.cuda_graph` every step of up to `MAX_FIXED_WIDTH` tokens runs on
+buffers fixed per cache and width (`FixedBuffers`: the attention mask spans the whole cache, so
+its shape never changes), each width is captured once as a CUDA graph (`gpu_graph_id`) and
+replayed, and the buffers are pooled per (rows, length) so later generations replay the same
+graphs. Both give the tokens of the plain path; on the CPU both run too (tests), without capture.
+
 The model files are untrusted: before ONNX Runtime opens a model, the external-data files the
 ONNX protobuf names are read from it (`external_data_files`) and must be files the manifest lists
 (hence confined and hashed); the declared shapes (KV heads, head size, logits width, a reduced

@@ -9,7 +9,9 @@ stop condition. A round:
 2. verifies every live row's block `[last committed token, drafts...]` in one target call;
 3. accepts a different number of tokens per row with the row's own `rounds.RowSampler` and
    cuts its output with its own `rounds.RowOutput` (the same pieces batch-1 decoding uses), so
-   each row's output is exactly what batch-1 decoding gives it;
+   each row's output is exactly what batch-1 decoding gives it; greedy rows verify from the
+   target's argmax ids (`OrtModel.forward_rows_greedy`, taken on the device when the backend
+   does), sampled rows from their own logits rows;
 4. rolls each row's caches back to its own committed length (O(1), lengths only).
 Finished rows leave the batch: with `compact=True` (default) they are no longer fed, so the
 remaining rows stop paying for them; `compact=False` keeps them in the batch tensors with a
