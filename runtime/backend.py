@@ -920,19 +920,23 @@ class OrtModel:
                   ) -> tuple[ort.OrtValue | np.ndarray, list[np.ndarray]]:
         """One concat-form run: the logits (left on the device off the CPU) and the presents
         (host)."""
-        presents = [present for _, present in self._kv_names]
-        if self.config.provider == "cpu":
-            outs = self.session.run([self.spec.logits, *presents], feeds)
-            return np.asarray(outs[0]), outs[1:]
+        if self.config.provider != "cpu":
+            return self._run_rows_bound(feeds)
+        outs = self.session.run([self.spec.logits, *[p for _, p in self._kv_names]], feeds)
+        return np.asarray(outs[0]), outs[1:]
+
+    def _run_rows_bound(self, feeds: dict[str, Any]
+                        ) -> tuple[ort.OrtValue, list[np.ndarray]]:
+        """`_run_rows` through an IO binding: the logits stay on the model's device."""
         binding = self.session.io_binding()
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(arr))
-        for name in presents:
-            binding.bind_output(name, "cpu")
+        for _, present in self._kv_names:
+            binding.bind_output(present, "cpu")
         binding.bind_output(self.spec.logits, self.config.device, self.config.device_id)
         self.session.run_with_iobinding(binding)
         values = binding.get_outputs()  # in binding order: the presents, then the logits
-        return values[-1], [v.numpy() for v in values[:-1]]
+        return values[-1], [np.array(v.numpy()) for v in values[:-1]]
 
     def _positions(self, cache: KVCache, new: int) -> np.ndarray:
         return cache.lengths[:, None] + np.arange(new, dtype=np.int64)[None, :]

@@ -207,6 +207,27 @@ def test_forward_rows_greedy_ids_and_kept_rows(concat_dir: Path) -> None:
     assert np.array_equal(results[0][1], results[1][1])
 
 
+def test_bound_rows_run_equals_the_plain_run(concat_dir: Path) -> None:
+    """The IO-binding run a GPU takes for concat-form batches (logits left on the device), on the
+    CPU: the same logits and presents as `session.run`."""
+    model = Pair.load(concat_dir).target
+    rng = np.random.default_rng(5)
+    spec = model.spec
+    past = 6
+    feeds: dict[str, object] = {
+        spec.input_ids: rng.integers(3, 300, (2, 3)).astype(np.int64),
+        spec.attention_mask: np.ones((2, past + 3), np.int64)}
+    if spec.position_ids:
+        feeds[spec.position_ids] = np.tile(np.arange(past, past + 3), (2, 1)).astype(np.int64)
+    for name, _ in model._kv_names:
+        feeds[name] = rng.standard_normal((2, spec.num_kv_heads, past, spec.head_dim)).astype(
+            np.float32)
+    plain_logits, plain_presents = model._run_rows(feeds)
+    bound_logits, bound_presents = model._run_rows_bound(feeds)
+    assert np.array_equal(plain_logits, bound_logits.numpy())
+    assert all(np.array_equal(a, b) for a, b in zip(plain_presents, bound_presents, strict=True))
+
+
 # ----------------------------------------------------------------------------- fixed buffers
 
 
