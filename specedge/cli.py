@@ -388,7 +388,7 @@ def main(verbose: int) -> None:
               help="Draft precision (a self-draft of the target unless --draft is given).")
 @click.option("--provider", default="cpu", show_default=True, type=click.Choice(PROVIDERS),
               help="Execution provider the graphs are built for.")
-@click.option("--num-draft-tokens", default=None, type=click.IntRange(1, 64),
+@click.option("--num-draft-tokens", default=None, type=int,
               help="Default draft length written to the manifest [default: 3; 5 with the CPU "
                    "defaults].")
 @click.option("--chat-template", "chat_template", default=None,
@@ -416,19 +416,22 @@ def export(target: str, output: Path, draft: str | None, precision: str | None,
     from specedge.exporter.pair import ExportOptions, cpu_defaults, export_pair
 
     picked: dict[str, Any] = {}
+    note = None
     if precision is None and draft_precision is None and draft is None and provider == "cpu":
         picked, note = cpu_defaults(num_draft_tokens)
-        click.echo(note)
     opts = ExportOptions(**{
         "target": target, "output": output, "draft": draft, "precision": precision or "fp32",
         "draft_precision": draft_precision, "provider": provider,
-        "num_draft_tokens": num_draft_tokens or 3, "force": force, "validate": not no_validate,
-        "graph": None if graph == "auto" else graph, "chat_template": chat_template,
-        **picked})
+        "num_draft_tokens": 3 if num_draft_tokens is None else num_draft_tokens, "force": force,
+        "validate": not no_validate, "graph": None if graph == "auto" else graph,
+        "chat_template": chat_template, **picked})
     if calibrate_method and opts.precision != "fp32":
         raise InputError("--calibrate quantizes an fp32 target: use --precision fp32")
-    with _status("exporting") as say:
+    with _status("exporting" + (" (cpu defaults: fp32 + int8-rtn self-draft)" if note else "")
+                 ) as say:
         report = export_pair(opts, progress=say)
+    if note:
+        click.echo(note)
     _print_export(report)
     if calibrate_method:
         from specedge.calibration.quantize import quantize_in_place

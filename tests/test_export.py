@@ -182,7 +182,8 @@ def test_graph_option_is_checked(tmp_path: Path, work: Path) -> None:
         _export(gpt2, tmp_path / "out", graph="gqa-shared")
     _no_leftovers(tmp_path / "out")
     llama = make_tiny_model("llama", tmp_path / "llama", seed=0)
-    with pytest.raises(SpecEdgeError, match=r"fp32, int8 or int4 \(not fp16\) in the concat"):
+    with pytest.raises(SpecEdgeError,
+                       match=r"fp32, int8, int4, int8-rtn \(not fp16\) in the concat"):
         _export(llama, tmp_path / "out", precision="fp16", provider="cuda", graph="concat")
     _no_leftovers(tmp_path / "out")
 
