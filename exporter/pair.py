@@ -476,7 +476,7 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
         if draft_src is not None and draft_src.folder != target_src.folder:
             check_same_vocab(target_src.folder, draft_src.folder)
         say(f"exporting the target ({opts.precision})")
-        built = _export_model(target_src, opts.precision, "target", opts, tmp, work, say=say)
+        built = _export_model(target_src, opts.precision, "target", opts, tmp, work)
         target = built.spec
         draft = None
         if draft_src is not None and draft_precision is not None:
