@@ -1,9 +1,9 @@
 """Quantization of an fp32 (or fp16) ONNX graph, one implementation per method name, delegated to
 onnxruntime.quantization (no hand-written quantizers).
 
-`specedge export --precision int8|int4` and `specedge quantize --method ...` (and the self-drafts
-of `specedge draft`) all run `quantize_model`; `EXPORT_METHODS` says which method an export
-precision is. Methods:
+`specedge export --precision int8|int4|int8-rtn` and `specedge quantize --method ...` (and the
+self-drafts of `specedge draft`) all run `quantize_model`, in a child process (`run_isolated`);
+`EXPORT_METHODS` says which method an export precision is. Methods:
 
 - `int8-dynamic` (`quantize_dynamic`, per-channel int8 weights, activations quantized at run time
   by DynamicQuantizeLinear + MatMulInteger): uncalibrated; what `export --precision int8` makes.
@@ -14,7 +14,8 @@ precision is. Methods:
   with FP8 (Hopper, Ada) through TensorRT.
 - `int4-rtn`, `int8-rtn`: weight-only MatMulNBits, round to nearest with block-wise scales
   (ORT's default weight-only quantizer); int8 compute at accuracy level 4. `int4-rtn` is what
-  `export --precision int4` makes in the concat form.
+  `export --precision int4` makes on cpu (with a 4-bit embedding gather), `int8-rtn` the draft
+  of the CPU defaults.
 - `int4-hqq`, `int4-kquant`, `int4-gptq` (calibrated on the feeds): weight-only MatMulNBits.
   HQQ's float zero points are rewritten exactly into the fast uint8 layout plus a small
   correction (`zero_points.py`), because ORT's CPU kernel for float zero points is about 15x
