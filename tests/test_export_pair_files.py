@@ -200,3 +200,22 @@ def test_export_without_precision_flags_writes_the_fast_cpu_pair(tmp_path: Path,
     assert "defaults for cpu" not in result.output
     manifest = json.loads((explicit / "specedge.json").read_text())
     assert "draft" not in manifest["models"] and manifest["defaults"]["drafter"] == "ngram"
+
+
+def test_inspect_names_an_unrecorded_template_source(tmp_path: Path,
+                                                     tiny_pair_dir: Path) -> None:
+    """A pair written before the exporter recorded the template's source says "unknown"."""
+    import shutil
+
+    from specedge.cli import main
+
+    pair = tmp_path / "pair"
+    shutil.copytree(tiny_pair_dir, pair)
+    manifest = json.loads((pair / "specedge.json").read_text())
+    manifest.get("provenance", {}).pop("chat_template", None)
+    (pair / "specedge.json").write_text(json.dumps(manifest))
+    shown = CliRunner().invoke(main, ["inspect", str(pair)])
+    assert shown.exit_code == 0, shown.output
+    has_template = "chat_template.jinja" in manifest["tokenizer"]["files"]
+    assert json.loads(shown.output)["chat_template"] == {
+        "source": "unknown" if has_template else "none"}
