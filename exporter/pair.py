@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import importlib.util
-import json
 import os
 import resource
 import shutil
@@ -44,7 +43,6 @@ from specedge.runtime.manifest import (
 from . import onnx_export, quantize, sources, validate
 from .archs import arch_for
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 GRAPHS = ("gqa-shared", "concat")
 PRECISIONS = ("fp32", "fp16", *quantize.EXPORT_METHODS)  # what an export can write
 PROVIDERS = ("cpu", "cuda")  # what the graphs can be built for
@@ -252,96 +250,6 @@ def _check_output(opts: ExportOptions) -> Path:
                         inputs=[opts.target, opts.draft, opts.chat_template])
 
 
-def _tokenizer_vocab(folder: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer
-
-    file = folder / "tokenizer.json"
-    if not file.is_file():
-        raise ExportError(f"{folder}: no tokenizer.json (a fast tokenizer is required)")
-    return dict(Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True))
-
-
-def check_same_vocab(target: Path, draft: Path) -> None:
-    """Refuse a draft whose tokenizer differs from the target's."""
-    tv, dv = _tokenizer_vocab(target), _tokenizer_vocab(draft)
-    if tv == dv:
-        return
-    only_t = sorted(set(tv) - set(dv))[:3]
-    only_d = sorted(set(dv) - set(tv))[:3]
-    moved = sorted(t for t in set(tv) & set(dv) if tv[t] != dv[t])[:3]
-    raise ExportError(
-        f"draft {draft} and target {target} have different vocabularies ({len(dv)} vs "
-        f"{len(tv)} tokens; only in target: {only_t}, only in draft: {only_d}, different ids: "
-        f"{moved}); speculative decoding needs one shared tokenizer"
-    )
-
-
-def _special_tokens(hf_dir: Path, config: dict[str, Any]) -> tuple[int | None, list[int],
-                                                                    int | None]:
-    eos: list[int] = []
-    sources_ = [config]
-    gen = hf_dir / "generation_config.json"
-    if gen.is_file():
-        sources_.append(json.loads(gen.read_text()))
-    for src in sources_:
-        value = src.get("eos_token_id")
-        for t in value if isinstance(value, list) else [value]:
-            if isinstance(t, int) and t not in eos:
-                eos.append(t)
-    tok_cfg = hf_dir / "tokenizer_config.json"
-    if tok_cfg.is_file():
-        cfg = json.loads(tok_cfg.read_text())
-        name = cfg.get("eos_token")
-        name = name.get("content") if isinstance(name, dict) else name
-        if isinstance(name, str):
-            vocab = _tokenizer_vocab(hf_dir)
-            if name in vocab and vocab[name] not in eos:
-                eos.append(vocab[name])
-    if not eos:
-        raise ExportError(f"{hf_dir}: no eos_token_id in config.json or generation_config.json")
-    bos = config.get("bos_token_id")
-    pad = config.get("pad_token_id")
-    return (bos if isinstance(bos, int) else None, eos, pad if isinstance(pad, int) else None)
-
-
-def _copy_tokenizer(src: sources.Source, dest: Path, template_file: Path | None
-                    ) -> tuple[dict[str, str], dict[str, Any]]:
-    """Copy the tokenizer files into the pair; returns their hashes and where the chat template
-    came from (`{"source": "file" | "hf-folder" | "gguf" | "none", ...}`)."""
-    hf_dir = src.folder
-    for name in TOKENIZER_FILES:
-        if (hf_dir / name).is_file():
-            shutil.copy2(hf_dir / name, dest / name)
-    cfg_file = dest / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
-    jinja = dest / "chat_template.jinja"
-    origin: dict[str, Any]
-    if template_file is not None:
-        text = sources.read_chat_template(template_file)
-        jinja.write_text(text, encoding="utf-8")
-        if isinstance(cfg, dict) and "chat_template" in cfg:  # no second, different template
-            cfg["chat_template"] = text
-            cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
-        origin = {"source": "file", "file": str(Path(template_file).expanduser().absolute())}
-    else:
-        if not jinja.is_file() and isinstance(cfg, dict) and isinstance(
-                cfg.get("chat_template"), str):
-            jinja.write_text(cfg["chat_template"], encoding="utf-8")
-        if not jinja.is_file():
-            origin = {"source": "none"}
-        else:
-            # A GGUF's template comes from its metadata (sources.gguf_to_folder).
-            origin = {"source": "gguf" if src.kind == "gguf" else "hf-folder",
-                      "origin": src.origin}
-    files = {name: sha256_file(dest / name) for name in TOKENIZER_FILES
-             if (dest / name).is_file()}
-    if "tokenizer.json" not in files:
-        raise ExportError(f"{hf_dir}: no tokenizer.json (a fast tokenizer is required)")
-    if "chat_template.jinja" in files:
-        origin["sha256"] = files["chat_template.jinja"]
-    return files, origin
-
-
 def _builder_writes(precision: str, opts: ExportOptions) -> bool:
     """Whether the GenAI builder writes `precision` itself (fp32, fp16 and CUDA's int4, whose
     graph keeps fp16 activations), rather than an fp32 build quantized in a child process."""
@@ -474,7 +382,7 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
         elif draft_precision is not None:
             draft_src = target_src  # self-draft: the same model at another precision
         if draft_src is not None and draft_src.folder != target_src.folder:
-            check_same_vocab(target_src.folder, draft_src.folder)
+            sources.check_same_vocab(target_src.folder, draft_src.folder)
         say(f"exporting the target ({opts.precision})")
         built = _export_model(target_src, opts.precision, "target", opts, tmp, work)
         target = built.spec
@@ -491,8 +399,9 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
             if draft.vocab_size != target.vocab_size:
                 raise ExportError(f"draft vocab_size {draft.vocab_size} != target vocab_size "
                                   f"{target.vocab_size}; the models cannot form a pair")
-        tokenizer_files, template = _copy_tokenizer(target_src, tmp, opts.chat_template)
-        bos, eos, pad = _special_tokens(target_src.folder, sources.read_config(target_src.folder))
+        tokenizer_files, template = sources.copy_tokenizer(target_src, tmp, opts.chat_template)
+        bos, eos, pad = sources.special_tokens(target_src.folder,
+                                               sources.read_config(target_src.folder))
         if opts.validate:
             say("validating against torch")
             target, draft = _validate(tmp, target, draft, target_src, draft_src, opts.provider)

@@ -4,24 +4,31 @@ Every source ends up as a plain Hugging Face folder (config.json, safetensors, t
 because that is what both the ONNX Runtime GenAI builder and transformers' validation read.
 GGUF files are dequantized by transformers (`from_pretrained(..., gguf_file=...)`, needs `gguf`)
 and their weights written straight to safetensors (one copy in memory, tied weights once), with
-a config.json that has no `quantization_config`; the GGUF's chat template comes along. A chat
-template can also come from a file (`read_chat_template`, checked with jinja2). Hub ids
+a config.json that has no `quantization_config`; the GGUF's chat template comes along. Hub ids
 are downloaded with `huggingface_hub.snapshot_download` (needs a network; this fails with a clear
 message offline).
+
+The tokenizer half of a source lives here too: its files copied into a pair (`copy_tokenizer`,
+with a chat template from the folder, the GGUF metadata or a `--chat-template` file checked with
+jinja2, and a record of which), its special ids, and the check that a draft shares the target's
+vocabulary.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specedge.runtime.errors import ExportError, InputError
+from specedge.runtime.manifest import sha256_file
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "tokenizer*"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,103 @@ def read_chat_template(file: Path) -> str:
     except (jinja2.TemplateError, RecursionError, ValueError) as exc:
         raise InputError(f"{where}: not a valid jinja template ({exc})") from None
     return text
+
+
+def tokenizer_vocab(folder: Path) -> dict[str, int]:
+    """token -> id of an HF folder's fast tokenizer (added tokens included)."""
+    from tokenizers import Tokenizer
+
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        raise ExportError(f"{folder}: no tokenizer.json (a fast tokenizer is required)")
+    return dict(Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True))
+
+
+def check_same_vocab(target: Path, draft: Path) -> None:
+    """Refuse a draft whose tokenizer differs from the target's."""
+    tv, dv = tokenizer_vocab(target), tokenizer_vocab(draft)
+    if tv == dv:
+        return
+    only_t = sorted(set(tv) - set(dv))[:3]
+    only_d = sorted(set(dv) - set(tv))[:3]
+    moved = sorted(t for t in set(tv) & set(dv) if tv[t] != dv[t])[:3]
+    raise ExportError(
+        f"draft {draft} and target {target} have different vocabularies ({len(dv)} vs "
+        f"{len(tv)} tokens; only in target: {only_t}, only in draft: {only_d}, different ids: "
+        f"{moved}); speculative decoding needs one shared tokenizer"
+    )
+
+
+def special_tokens(hf_dir: Path, config: dict[str, Any]) -> tuple[int | None, list[int],
+                                                                  int | None]:
+    """The bos id, the eos ids (config, generation_config.json and the tokenizer's eos token)
+    and the pad id of an HF folder.
+
+    Raises:
+        ExportError: no eos id anywhere.
+    """
+    eos: list[int] = []
+    sources_ = [config]
+    gen = hf_dir / "generation_config.json"
+    if gen.is_file():
+        sources_.append(json.loads(gen.read_text()))
+    for src in sources_:
+        value = src.get("eos_token_id")
+        for t in value if isinstance(value, list) else [value]:
+            if isinstance(t, int) and t not in eos:
+                eos.append(t)
+    tok_cfg = hf_dir / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        cfg = json.loads(tok_cfg.read_text())
+        name = cfg.get("eos_token")
+        name = name.get("content") if isinstance(name, dict) else name
+        if isinstance(name, str):
+            vocab = tokenizer_vocab(hf_dir)
+            if name in vocab and vocab[name] not in eos:
+                eos.append(vocab[name])
+    if not eos:
+        raise ExportError(f"{hf_dir}: no eos_token_id in config.json or generation_config.json")
+    bos = config.get("bos_token_id")
+    pad = config.get("pad_token_id")
+    return (bos if isinstance(bos, int) else None, eos, pad if isinstance(pad, int) else None)
+
+
+def copy_tokenizer(src: Source, dest: Path, template_file: Path | None
+                    ) -> tuple[dict[str, str], dict[str, Any]]:
+    """Copy the tokenizer files into the pair; returns their hashes and where the chat template
+    came from (`{"source": "file" | "hf-folder" | "gguf" | "none", ...}`)."""
+    hf_dir = src.folder
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copy2(hf_dir / name, dest / name)
+    cfg_file = dest / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    jinja = dest / "chat_template.jinja"
+    origin: dict[str, Any]
+    if template_file is not None:
+        text = read_chat_template(template_file)
+        jinja.write_text(text, encoding="utf-8")
+        if isinstance(cfg, dict) and "chat_template" in cfg:  # no second, different template
+            cfg["chat_template"] = text
+            cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+        origin = {"source": "file", "file": str(Path(template_file).expanduser().absolute())}
+    else:
+        if not jinja.is_file() and isinstance(cfg, dict) and isinstance(
+                cfg.get("chat_template"), str):
+            jinja.write_text(cfg["chat_template"], encoding="utf-8")
+        if not jinja.is_file():
+            origin = {"source": "none"}
+        else:
+            # A GGUF's template comes from its metadata (sources.gguf_to_folder).
+            origin = {"source": "gguf" if src.kind == "gguf" else "hf-folder",
+                      "origin": src.origin}
+    files = {name: sha256_file(dest / name) for name in TOKENIZER_FILES
+             if (dest / name).is_file()}
+    if "tokenizer.json" not in files:
+        raise ExportError(f"{hf_dir}: no tokenizer.json (a fast tokenizer is required)")
+    if "chat_template.jinja" in files:
+        origin["sha256"] = files["chat_template.jinja"]
+    return files, origin
 
 
 def read_config(folder: Path) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def test_chat_template_source_is_recorded(tmp_path: Path, hf: Path, kind: str,
                                           has_template: bool, expected: str) -> None:
     import shutil
 
-    from specedge.exporter import pair, sources
+    from specedge.exporter import sources
 
     folder = tmp_path / "src"
     folder.mkdir()
@@ -110,7 +110,7 @@ def test_chat_template_source_is_recorded(tmp_path: Path, hf: Path, kind: str,
     (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     dest = tmp_path / "dest"
     dest.mkdir()
-    files, origin = pair._copy_tokenizer(sources.Source(folder, kind, "x"), dest, None)
+    files, origin = sources.copy_tokenizer(sources.Source(folder, kind, "x"), dest, None)
     assert origin["source"] == expected
     assert ("chat_template.jinja" in files) == has_template
 
