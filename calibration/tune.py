@@ -1,8 +1,11 @@
 """`specedge tune`: measure each drafter and K on calibration prompts, store the fastest.
 
-Target-only and every (drafter, K) run on the same prompts, interleaved prompt by prompt so that
-machine drift hits all alike; the score is decode tokens/s. The winner becomes the pair's
-default drafter and K (the manifest is rewritten atomically); `generate` and `bench` use it.
+Target-only, every (drafter, fixed K) and each drafter's adaptive K (up to the largest K) run on
+the same prompts, interleaved prompt by prompt so that machine drift hits all alike; the score is
+decode tokens/s. The winner becomes the pair's default drafter, K and adaptivity (the manifest is
+rewritten atomically); `generate` and `bench` use it. Adaptive K wins when it is within
+`ADAPTIVE_MARGIN` of the fastest fixed setting: on prompts unlike the calibration set it backs off
+where drafting stops paying, which a fixed K cannot.
 Before measuring, it checks that the manifest can be written back (the folder takes a file of
 its size, and the manifest serializes), so a full or read-only disk fails in a second, not after
 minutes, and leaves nothing behind.
@@ -18,6 +21,8 @@ from typing import Any
 from specedge.runtime.errors import InputError
 from specedge.runtime.manifest import DRAFTERS, check_writable, json_dumps, write_manifest
 from specedge.runtime.pair import GenerationConfig, Pair
+
+ADAPTIVE_MARGIN = 0.97  # adaptive K is kept when at least this fraction of the best fixed K
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,16 @@ def tune(opts: TuneOptions, progress: Callable[[str], None] | None = None) -> di
         # The manifest is written back at the end: check now that it can be.
         size = len(json_dumps(pair.manifest.to_json(), indent=2)) + (64 << 10)
         check_writable(Path(opts.pair), size, what=str(Path(opts.pair) / "specedge.json"))
-    settings: dict[tuple[str, int], GenerationConfig] = {
-        ("none", 0): GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter="none")}
+    settings: dict[tuple[str, int, bool], GenerationConfig] = {
+        ("none", 0, False): GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter="none")}
     for d in drafters:
         for k in opts.ks:
-            settings[(d, k)] = GenerationConfig(max_new_tokens=opts.max_new_tokens, drafter=d,
-                                                num_draft_tokens=k, adaptive=False)
+            settings[(d, k, False)] = GenerationConfig(
+                max_new_tokens=opts.max_new_tokens, drafter=d, num_draft_tokens=k,
+                adaptive=False)
+        settings[(d, max(opts.ks), True)] = GenerationConfig(
+            max_new_tokens=opts.max_new_tokens, drafter=d, num_draft_tokens=max(opts.ks),
+            adaptive=True)
     ids = [pair.encode_prompt(p, chat=True) for p in opts.prompts]
     for cfg in settings.values():  # warm-up
         pair.generate_ids(ids[0], replace(cfg, max_new_tokens=8))
@@ -67,12 +76,12 @@ def tune(opts: TuneOptions, progress: Callable[[str], None] | None = None) -> di
         if progress:
             progress(f"prompt {n + 1}/{len(ids)}")
     rows: list[dict[str, Any]] = [
-        {"drafter": d, "k": k, "tokens_per_s": s[0] / s[1] if s[1] > 0 else 0.0,
-         "acceptance": s[2] / s[3] if s[3] else None} for (d, k), s in sums.items()]
+        {"drafter": d, "k": k, "adaptive": a, "tokens_per_s": s[0] / s[1] if s[1] > 0 else 0.0,
+         "acceptance": s[2] / s[3] if s[3] else None} for (d, k, a), s in sums.items()]
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base if base > 0 else 0.0
-    best = max(rows, key=lambda r: r["tokens_per_s"])
+    best = pick_best(rows)
     table = {"rows": rows, "best": best, "prompts": len(ids),
              "max_new_tokens": opts.max_new_tokens}
     if opts.write:
@@ -82,9 +91,21 @@ def tune(opts: TuneOptions, progress: Callable[[str], None] | None = None) -> di
             defaults = replace(defaults, adaptive=True)
         else:
             defaults = replace(defaults, drafter=best["drafter"], num_draft_tokens=best["k"],
-                               adaptive=False)
+                               adaptive=best["adaptive"])
         write_manifest(replace(manifest, defaults=defaults,
                                provenance={**manifest.provenance, "tune": table}),
                        Path(opts.pair))
     return table
 
+
+
+def pick_best(rows: list[dict[str, Any]], margin: float = ADAPTIVE_MARGIN) -> dict[str, Any]:
+    """The fastest row, except that the fastest adaptive row wins when it reaches `margin` of
+    it (adaptive K also backs off on prompts where drafting stops paying)."""
+    fastest = max(rows, key=lambda r: r["tokens_per_s"])
+    adaptive = [r for r in rows if r["adaptive"]]
+    if adaptive and fastest["drafter"] != "none":
+        best_adaptive = max(adaptive, key=lambda r: r["tokens_per_s"])
+        if best_adaptive["tokens_per_s"] >= margin * fastest["tokens_per_s"]:
+            return best_adaptive
+    return fastest

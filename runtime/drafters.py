@@ -185,27 +185,44 @@ class HybridDrafter:
 class AdaptiveK:
     """Pick the draft length that maximizes predicted tokens per second, from measurements.
 
-    Model: position i of a round is reached only if drafts 1..i-1 were accepted; `accept[i]` is
-    a moving average of "accepted, given reached" at position i (acceptance is not independent
-    across positions, so one global rate mispredicts). k drafts then emit
-    E(k) = 1 + sum_{j<=k} prod_{i<=j} accept[i] tokens per round, at a cost of
-    k * draft_step + verify(k + 1). k = 0 is plain target decoding, cost verify(1). verify(s) is a
-    per-s moving average; unmeasured s are interpolated linearly. Every `probe_every` rounds a
-    neighbouring k is tried so that the costs and acceptances it relies on stay measured; a probe
-    that does not change the choice doubles the interval (up to `max_probe_every`), because a
-    probe is not free (after rounds at k = 0 the draft must first catch up on what it missed).
+    Model: position i of a round is reached only if drafts 1..i-1 were accepted; a(i) estimates
+    "accepted, given reached" at position i (acceptance is not independent across positions, so
+    one global rate mispredicts). k drafts then emit E(k) = 1 + sum_{j<=k} prod_{i<=j} a(i)
+    tokens per round, at a cost of k * draft_step + verify(k + 1); k = 0 is plain target
+    decoding, cost verify(1).
+
+    - a(i) = (hits_i + shrink * a(i-1)) / (reached_i + shrink), from counts that decay by
+      `accept_decay` per observation (about 50 rounds: fewer made a 0.6 acceptance read as 0.4
+      and switch drafting off): a deep position seen in a few rounds stays near its shallower
+      neighbour instead of following two unlucky probes (which kept k at 3 where the drafts
+      accept 97% at every depth), and one seen often follows its own counts.
+    - verify(s) is a per-s moving average where s was measured at least `MIN_COST_SAMPLES`
+      times, otherwise the weighted least-squares line through the measured sizes (one stale
+      outlier cannot hide a cheap size).
+    - Every `probe_every` rounds a neighbouring k is tried so that the costs and acceptances it
+      relies on stay measured; a probe that does not change the choice doubles the interval (up
+      to `max_probe_every`), because a probe is not free.
+
+    A tuner outlives one generation: `Pair` keeps one per (batch size, drafter, k max), so every
+    generation after the first starts from what this device measured.
     """
 
+    MIN_COST_SAMPLES = 3.0
+
     def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
-                 probe_every: int = 16, max_probe_every: int = 256,
-                 draft_step: float | None = None) -> None:
+                 accept_decay: float = 0.99, shrink: float = 4.0, prior: float = 0.7,
+                 probe_every: int = 16,
+                 max_probe_every: int = 256, draft_step: float | None = None) -> None:
         self.k_max = k_max
         self.k = min(k_start, k_max)
-        self.decay = decay
-        self.accept = [0.7] * (k_max + 1)  # prior; index i = draft position (1-based)
-        self.seen = [0] * (k_max + 1)  # how many rounds measured each position
+        self.decay, self.accept_decay = decay, accept_decay
+        self.shrink, self.prior = shrink, prior
+        self.hits = [0.0] * (k_max + 1)  # decayed "accepted" counts per draft position (1-based)
+        self.reached = [0.0] * (k_max + 1)  # decayed "reached" counts per position
+        self.accept = [prior] * (k_max + 1)  # a(i), derived from the counts
         self.draft_step = draft_step  # seconds per drafted position (0 for free drafts)
-        self.verify: dict[int, float] = {}
+        self.verify: dict[int, float] = {}  # moving average of verify(s)
+        self.verify_weight: dict[int, float] = {}  # decayed sample counts behind it
         self.rounds = 0
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
@@ -227,6 +244,7 @@ class AdaptiveK:
         """Record only the cost of verifying `size` positions (a round whose k this tuner did
         not choose, e.g. a free n-gram hit next to model drafting)."""
         self.verify[size] = self._ema(self.verify.get(size), verify_s)
+        self.verify_weight[size] = self.decay * self.verify_weight.get(size, 0.0) + 1.0
 
     def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
                      draft_step_calls: int, verify_s: float) -> None:
@@ -237,40 +255,43 @@ class AdaptiveK:
         self.rounds += 1
         for proposed, accepted in outcomes:
             for i in range(1, min(proposed, accepted + 1) + 1):
-                # A running mean until there are 1 / (1 - decay) samples, then the moving
-                # average: the prior does not linger once a position is measured.
-                self.seen[i] += 1
-                rate = max(1.0 - self.decay, 1.0 / self.seen[i])
-                hit = 1.0 if i <= accepted else 0.0
-                self.accept[i] += rate * (hit - self.accept[i])
+                self.reached[i] = self.accept_decay * self.reached[i] + 1.0
+                self.hits[i] = self.accept_decay * self.hits[i] + (i <= accepted)
+        self._estimate_acceptance()
         if draft_step_calls:
             self.draft_step = self._ema(self.draft_step, draft_step_s / draft_step_calls)
-        self.verify[k + 1] = self._ema(self.verify.get(k + 1), verify_s)
+        self.record_verify(k + 1, verify_s)
         self.k = self.choose()
 
+    def _estimate_acceptance(self) -> None:
+        prev = self.prior
+        for i in range(1, self.k_max + 1):
+            n, h = self.reached[i], self.hits[i]
+            if i == 1:
+                est = h / n if n > 0 else self.prior
+            else:
+                est = (h + self.shrink * prev) / (n + self.shrink)
+            self.accept[i] = prev = est
+
     def verify_cost(self, s: int) -> float | None:
-        if s in self.verify:
-            return self.verify[s]
-        known = sorted(self.verify)
-        if not known:
+        """verify(s): measured where measured enough, else the fitted line."""
+        if self.verify_weight.get(s, 0.0) >= self.MIN_COST_SAMPLES or len(self.verify) == 1:
+            return self.verify.get(s, next(iter(self.verify.values()), None))
+        if not self.verify:
             return None
-        if len(known) == 1:
-            return self.verify[known[0]]
-        lo = max((x for x in known if x < s), default=known[0])
-        hi = min((x for x in known if x > s), default=known[-1])
-        if lo == hi:
-            lo, hi = (known[0], known[1]) if s < known[0] else (known[-2], known[-1])
-        slope = max(0.0, (self.verify[hi] - self.verify[lo]) / (hi - lo))
-        return max(self.verify[lo] + slope * (s - lo), 1e-9)
+        w = np.asarray([self.verify_weight[x] for x in self.verify])
+        x = np.asarray(list(self.verify), np.float64)
+        y = np.asarray(list(self.verify.values()))
+        xm, ym = np.average(x, weights=w), np.average(y, weights=w)
+        var = float(np.average((x - xm) ** 2, weights=w))
+        slope = max(0.0, float(np.average((x - xm) * (y - ym), weights=w)) / var) if var else 0.0
+        return max(float(ym + slope * (s - xm)), 1e-9)
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens per round at k. A position never reached yet borrows the acceptance of the
-        deepest measured one (a flat 0.7 prior kept k at 1 when deeper positions accept 0.95)."""
-        total, reach, last = 1.0, 1.0, None
+        """Tokens per round at k (1 from the target plus the expected accepted drafts)."""
+        total, reach = 1.0, 1.0
         for i in range(1, k + 1):
-            if self.seen[i]:
-                last = self.accept[i]
-            reach *= self.accept[i] if self.seen[i] or last is None else last
+            reach *= self.accept[i]
             total += reach
         return total
 

@@ -117,18 +117,36 @@ def test_quantize_refuses_bad_requests(tiny_pair_dir: Path, tmp_path: Path) -> N
 def test_tune_picks_the_fastest_measured_setting(tiny_pair_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    from specedge.calibration.tune import TuneOptions, tune
+    from specedge.calibration.tune import TuneOptions, pick_best, tune
 
     pair_dir = tmp_path / "pair"
     shutil.copytree(tiny_pair_dir, pair_dir)
     table = tune(TuneOptions(pair=pair_dir, prompts=("The quick", "def add"), ks=(1, 2, 3),
                              drafters=("model", "ngram"), max_new_tokens=12))
-    best = max(table["rows"], key=lambda r: r["tokens_per_s"])
-    assert table["best"] == best
+    best = table["best"]
+    assert best == pick_best(table["rows"])
+    assert {(r["drafter"], r["adaptive"]) for r in table["rows"]} >= {
+        ("model", True), ("ngram", True), ("model", False), ("none", False)}
     defaults = load_manifest(pair_dir).defaults
     if best["drafter"] != "none":
-        assert (defaults.drafter, defaults.num_draft_tokens) == (best["drafter"], best["k"])
+        assert (defaults.drafter, defaults.num_draft_tokens, defaults.adaptive) == (
+            best["drafter"], best["k"], best["adaptive"])
     assert "tune" in load_manifest(pair_dir).provenance
+
+
+def test_tune_keeps_adaptive_k_within_the_margin_of_the_fastest() -> None:
+    from specedge.calibration.tune import ADAPTIVE_MARGIN, pick_best
+
+    def row(drafter: str, k: int, adaptive: bool, tps: float) -> dict[str, object]:
+        return {"drafter": drafter, "k": k, "adaptive": adaptive, "tokens_per_s": tps}
+
+    fixed, adaptive = row("hybrid", 5, False, 100.0), row("hybrid", 8, True, 98.0)
+    none = row("none", 0, False, 60.0)
+    assert pick_best([none, fixed, adaptive]) is adaptive
+    slow = row("hybrid", 8, True, 100.0 * ADAPTIVE_MARGIN - 1)
+    assert pick_best([none, fixed, slow]) is fixed
+    # When target-only is fastest, drafting is not kept however close adaptive comes.
+    assert pick_best([row("none", 0, False, 101.0), fixed, adaptive])["drafter"] == "none"
 
 
 @needs_onnx
