@@ -52,10 +52,14 @@ class BenchOptions:
     chat: bool = True
     temperature: float = 0.0
     seed: int = 0
+    categories: tuple[str, ...] | None = None  # one per prompt: results also per category
 
     def __post_init__(self) -> None:
         if not self.prompts:
             raise InputError("bench needs at least one prompt")
+        if self.categories is not None and len(self.categories) != len(self.prompts):
+            raise InputError(f"{len(self.categories)} categories for {len(self.prompts)} "
+                             "prompts; give one category per prompt")
         if self.repeats < 1 or self.warmup < 0:
             raise InputError("--repeats must be >= 1 and --warmup >= 0")
         if not self.ks or any(not 1 <= k <= 64 for k in self.ks):
@@ -73,6 +77,12 @@ class SettingResult:
     tokens_per_round: list[float] = field(default_factory=list)
     host_ms_per_round: list[float] = field(default_factory=list)
     mean_k: list[float] = field(default_factory=list)
+    # category -> [new tokens, decode seconds], summed over the repetitions
+    by_category: dict[str, list[float]] = field(default_factory=dict)
+
+    def category_rate(self, category: str) -> float:
+        tokens, seconds = self.by_category.get(category, (0.0, 0.0))
+        return tokens / seconds if seconds else float("nan")
 
     def median(self, name: str) -> float:
         values = getattr(self, name)
@@ -132,9 +142,27 @@ class BenchReport:
             })
         return out
 
+    def category_rows(self) -> list[dict[str, Any]]:
+        """Per category: each setting's speed-up over target only, and adaptive K against the
+        best fixed K of that category (empty without categories)."""
+        if self.options.categories is None:
+            return []
+        out = []
+        for category in dict.fromkeys(self.options.categories):
+            base = self.settings[0].category_rate(category)
+            speedups = {s.name: s.category_rate(category) / base for s in self.settings}
+            fixed = [s.name for s in self.settings if s.k is not None and s.name != "adaptive"]
+            best = max(fixed, key=lambda n: speedups[n]) if fixed else None
+            row: dict[str, Any] = {"category": category, "target_only_tokens_per_s": base,
+                                   "speedups": speedups, "best_fixed": best}
+            if best is not None and "adaptive" in speedups:
+                row["adaptive_vs_best_fixed"] = speedups["adaptive"] / speedups[best]
+            out.append(row)
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"options": asdict(self.options), "environment": self.environment,
-                "costs": asdict(self.costs),
+                "costs": asdict(self.costs), "categories": self.category_rows(),
                 "draft_cost_ratio": (self.costs.draft_step / self.costs.target[1]
                                      if self.costs.draft_step else None),
                 "rows": self.rows(), "raw": [asdict(s) for s in self.settings]}
@@ -190,11 +218,15 @@ def run_bench(pair: Pair, options: BenchOptions,
     for rep in range(options.repeats):
         for s in settings:
             tokens = seconds = accepted = proposed = rounds = host = ks = 0.0
-            for prompt in options.prompts:
+            for n, prompt in enumerate(options.prompts):
                 r = pair.generate(prompt, config(s))
                 st = r.stats
                 tokens += st.new_tokens
                 seconds += st.decode_s
+                if options.categories is not None:
+                    sums = s.by_category.setdefault(options.categories[n], [0.0, 0.0])
+                    sums[0] += st.new_tokens
+                    sums[1] += st.decode_s
                 accepted += st.accepted
                 proposed += st.proposed
                 rounds += st.rounds
@@ -283,6 +315,23 @@ def format_rows(report: BenchReport) -> Sequence[Sequence[str]]:
             f(r["host_ms_per_round"], ".2f"), f(r["mean_k"], ".2f"),
         ])
     return out
+
+
+def format_category_rows(report: BenchReport) -> tuple[Sequence[str], Sequence[Sequence[str]]]:
+    """(headers, rows) of the per-category table: speed-ups over target only."""
+    rows = report.category_rows()
+    names = [s.name for s in report.settings[1:]]
+    headers = ["category", "target only tok/s", *names]
+    if rows and "adaptive_vs_best_fixed" in rows[0]:
+        headers.append("adaptive / best fixed")
+    out = []
+    for r in rows:
+        line = [r["category"], f"{r['target_only_tokens_per_s']:.1f}",
+                *(f"{r['speedups'][n]:.2f}x" for n in names)]
+        if "adaptive_vs_best_fixed" in r:
+            line.append(f"{r['adaptive_vs_best_fixed']:.3f} ({r['best_fixed']})")
+        out.append(line)
+    return headers, out
 
 
 HEADERS = ("setting", "tok/s median (min–max)", "speed-up", "acceptance", "tokens/round",

@@ -214,9 +214,9 @@ class Pair:
                  draft: OrtModel | None) -> None:
         self.manifest, self.tokenizer, self.target, self.draft = (manifest, tokenizer, target,
                                                                   draft)
-        # Adaptive-K state learned by batched generations, per (batch size, drafter, k max): the
-        # next such batch starts from what this device measured instead of from a prior.
-        self._batch_tuners: dict[tuple[int, str, int], AdaptiveK] = {}
+        # Adaptive-K state learned by generations, per (batch size, drafter, k max): the next
+        # such generation starts from what this device measured instead of from a prior.
+        self._tuners: dict[tuple[int, str, int], AdaptiveK] = {}
         self._tuner_lock = threading.Lock()
         # Why a listed TensorRT engine was not used, per model (empty when none was skipped).
         self.engine_notes: dict[str, str] = {}
@@ -312,6 +312,21 @@ class Pair:
                          tokenizer=self.tokenizer if text else None, prompt_ids=prompt_ids,
                          stop=config.stop if text else ())
 
+    def _take_tuner(self, key: tuple[int, str, int], plan: DecodePlan) -> AdaptiveK | None:
+        """A copy of what earlier generations with this key learned (a new tuner the first
+        time); None when the plan is not adaptive. Copied, so concurrent generations do not
+        share one."""
+        if not plan.adaptive:
+            return None
+        with self._tuner_lock:
+            stored = self._tuners.get(key)
+        return copy.deepcopy(stored) if stored is not None else new_tuner(plan.drafter, plan.k)
+
+    def _keep_tuner(self, key: tuple[int, str, int], tuner: AdaptiveK | None) -> None:
+        if tuner is not None:
+            with self._tuner_lock:
+                self._tuners[key] = tuner
+
     def _decode(self, ids: list[int], config: GenerationConfig, stats: GenerationStats,
                 output: RowOutput) -> Generator[list[int], None, str]:
         plan = self.plan(config)
@@ -322,6 +337,14 @@ class Pair:
         cache = self.target.new_cache(1, max_len)
         sampler = RowSampler(config.sampling, self.target.spec.vocab_size)
         return decode(self.target, cache, drafter, ids, plan, sampler, output, stats)
+
+    def _learning(self, rounds: Generator[list[int], None, str], key: tuple[int, str, int],
+                  tuner: AdaptiveK | None) -> Generator[list[int], None, str]:
+        """`rounds`, keeping what its tuner learned once the generation ends (an abandoned
+        stream keeps nothing)."""
+        reason = yield from rounds
+        self._keep_tuner(key, tuner)
+        return reason
 
     def stream_tokens(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
                       stats: GenerationStats | None = None
@@ -417,17 +440,10 @@ class Pair:
         requests = [RowRequest(prompt=ids, output=self.new_output(ids, c), params=c.sampling)
                     for ids, c in zip(ids_list, configs, strict=True)]
         key = (len(prompts), plan.drafter, plan.k)
-        tuner = None
-        if plan.adaptive:
-            with self._tuner_lock:
-                stored = self._batch_tuners.get(key)
-            tuner = copy.deepcopy(stored) if stored is not None else new_tuner(plan.drafter,
-                                                                               plan.k)
+        tuner = self._take_tuner(key, plan)
         rows, totals = decode_batch(self.target, self.draft, plan, requests, max_len=max_len,
                                     compact=compact, tuner=tuner)
-        if tuner is not None:
-            with self._tuner_lock:
-                self._batch_tuners[key] = tuner
+        self._keep_tuner(key, tuner)
         results = []
         for row, ids in zip(rows, ids_list, strict=True):
             row.stats.total_s = time.perf_counter() - start

@@ -60,6 +60,26 @@ def read_prompts(path: Path) -> tuple[str, ...]:
     return prompts
 
 
+def read_categories(path: Path) -> tuple[str, ...] | None:
+    """The "category" of each prompt of a .jsonl prompt file (in `read_prompts` order), or None
+    when the file is not .jsonl or some line has no string category (results are then not
+    broken down by category)."""
+    if path.suffix != ".jsonl":
+        return None
+    categories: list[str] = []
+    for line in read_text_file(path, "prompts", "prompt file").splitlines():
+        if not line.strip():
+            continue
+        try:
+            category = json.loads(line).get("category")
+        except (json.JSONDecodeError, AttributeError, RecursionError):
+            return None
+        if not isinstance(category, str):
+            return None
+        categories.append(category)
+    return tuple(categories)
+
+
 def default_prompts() -> tuple[str, ...]:
     """The prompt set shipped with the package (twenty prompts of mixed kinds)."""
     text = resources.files(__package__).joinpath(DEFAULT_PROMPT_FILE).read_text(encoding="utf-8")

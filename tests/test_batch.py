@@ -178,10 +178,10 @@ def test_adaptive_batches_warm_start_from_the_last_batch_of_that_size(concat_pai
     cfg = GenerationConfig(max_new_tokens=12, drafter="model", num_draft_tokens=4,
                            adaptive=True)
     pair.generate_batch(PROMPTS[:2], cfg)
-    tuner = pair._batch_tuners[(2, "model", 4)]
+    tuner = pair._tuners[(2, "model", 4)]
     rounds = tuner.rounds
     again = pair.generate_batch(PROMPTS[:2], cfg)
-    assert pair._batch_tuners[(2, "model", 4)].rounds > rounds  # continued, not restarted
+    assert pair._tuners[(2, "model", 4)].rounds > rounds  # continued, not restarted
     for prompt, got in zip(PROMPTS[:2], again.results, strict=True):
         assert got.tokens == pair.generate(prompt, replace(cfg, drafter="none")).tokens
 

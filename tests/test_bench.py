@@ -70,3 +70,36 @@ def test_bench_cli(tiny_pair_dir: Path, tmp_path: Path) -> None:
     assert "target only" in result.output and json.loads(out.read_text())["rows"]
     bad = CliRunner().invoke(main, ["bench", str(tiny_pair_dir), "--ks", "0"])
     assert bad.exit_code != 0 and "1..64" in bad.output + (bad.stderr or "")
+
+
+def test_bench_by_category(tiny_pair: Pair, tmp_path: Path) -> None:
+    """Per-category sums add up to the overall figures, and adaptive is set against the best
+    fixed K of each category (issue 16's bar is per category)."""
+    from specedge.runtime.prompts import read_categories
+
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"category": "code", "prompt": "def add"}\n'
+                  '{"category": "chat", "prompt": "The quick"}\n'
+                  '{"category": "code", "prompt": "for i in"}\n')
+    categories = read_categories(jl)
+    assert categories == ("code", "chat", "code")
+    options = bench.BenchOptions(prompts=read_prompts(jl), categories=categories,
+                                 max_new_tokens=10, ks=(1, 2), repeats=1, warmup=0, chat=False)
+    report = bench.run_bench(tiny_pair, options)
+    rows = report.category_rows()
+    assert [r["category"] for r in rows] == ["code", "chat"]
+    for s in report.settings:
+        tokens = sum(v[0] for v in s.by_category.values())
+        seconds = sum(v[1] for v in s.by_category.values())
+        assert tokens / seconds == pytest.approx(s.tokens_per_s[0])
+    for r in rows:
+        assert r["speedups"]["target only"] == pytest.approx(1.0)
+        assert r["best_fixed"] in ("K=1", "K=2")
+        assert r["adaptive_vs_best_fixed"] == pytest.approx(
+            r["speedups"]["adaptive"] / r["speedups"][r["best_fixed"]])
+    headers, table = bench.format_category_rows(report)
+    assert len(table) == 2 and len(headers) == len(table[0])
+    json.dumps(report.to_json())
+    assert read_categories(tmp_path / "p.txt") is None
+    with pytest.raises(InputError, match="one category per prompt"):
+        bench.BenchOptions(prompts=("a", "b"), categories=("x",))
