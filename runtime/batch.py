@@ -354,15 +354,30 @@ def _draft(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks: dic
                 blocks.append([drafts[row.index][-1]])
         lens = [len(b) if ks[r.index] > position else 0
                 for r, b in zip(feed_rows, blocks, strict=True)]
+        # Greedy rows without a confidence cut-off need only the argmax of their last fed
+        # position (taken on the device when the backend does): the same token draft_token
+        # picks, whose confidence nothing compares.
+        greedy = np.asarray([r.sampler.greedy and p_min <= 0 for r in feed_rows], bool)
         t0 = time.perf_counter()
-        logits = _ragged(model, cache, feed_rows, blocks, lens)
+        if greedy.any():
+            ids, logits = _ragged_verify(model, cache, feed_rows, blocks, lens, greedy,
+                                         last=True)
+        else:
+            ids, logits = np.zeros((len(feed_rows), 1), np.int64), _ragged(
+                model, cache, feed_rows, blocks, lens)
         seconds += time.perf_counter() - t0
+        sampled_row = np.cumsum(~greedy) - 1  # feed row i -> its row in `logits`
         for i, row in enumerate(feed_rows):
             if lens[i] == 0:
                 continue
             row.draft_fed.extend(blocks[i])
+            if greedy[i]:
+                pick = int(ids[i, 0])
+                token = pick if model.vocab_ids is None else int(model.vocab_ids[pick])
+                drafts[row.index].append(token)
+                continue
             token, p, confidence = row.sampler.draft_token(
-                logits[i, lens[i] - 1], row.position + position, model.vocab_ids)
+                logits[sampled_row[i], lens[i] - 1], row.position + position, model.vocab_ids)
             if confidence < p_min:
                 ks[row.index] = position  # the draft doubts it: this row stops drafting
                 continue
@@ -374,18 +389,20 @@ def _draft(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks: dic
 
 
 def _ragged_verify(model: OrtModel, cache: KVCache, feed_rows: list[BatchRow],
-                   blocks: list[list[int]], lens: list[int], greedy: np.ndarray
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """`_ragged` for the verify call: argmax ids `[rows, width]` for the greedy rows and the
-    logits of the others `[count(~greedy), width, vocab]` (`OrtModel.forward_rows_greedy`)."""
+                   blocks: list[list[int]], lens: list[int], greedy: np.ndarray,
+                   last: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """`_ragged` for greedy rows: argmax ids `[rows, width]` (`[rows, 1]`, each row's last fed
+    position, with `last`) for the greedy rows and the logits of the others
+    `[count(~greedy), width, vocab]` (`OrtModel.forward_rows_greedy`)."""
     tokens, index, lens_arr = _block_arrays(feed_rows, blocks, lens)
     if (lens_arr == 0).any():
         saved = cache.lengths.copy()
-        out = model.forward_rows_greedy(cache, index, tokens, np.maximum(lens_arr, 1), greedy)
+        out = model.forward_rows_greedy(cache, index, tokens, np.maximum(lens_arr, 1), greedy,
+                                        last=last)
         dead = index[lens_arr == 0]
         cache.lengths[dead] = saved[dead]
         return out
-    return model.forward_rows_greedy(cache, index, tokens, lens_arr, greedy)
+    return model.forward_rows_greedy(cache, index, tokens, lens_arr, greedy, last=last)
 
 
 def _block_arrays(feed_rows: list[BatchRow], blocks: list[list[int]], lens: list[int]

@@ -14,16 +14,19 @@ from collections.abc import Generator
 import numpy as np
 
 from .backend import KVCache, OrtModel
-from .drafters import Drafter, new_tuner
+from .drafters import AdaptiveK, Drafter, new_tuner
 from .policy import DecodePlan
 from .rounds import RowOutput, RowSampler, draft_budget, tuned_round
 from .stats import GenerationStats
 
 
 def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, prompt: list[int],
-           plan: DecodePlan, sampler: RowSampler, output: RowOutput, stats: GenerationStats
-           ) -> Generator[list[int], None, str]:
+           plan: DecodePlan, sampler: RowSampler, output: RowOutput, stats: GenerationStats,
+           *, tuner: AdaptiveK | None = None) -> Generator[list[int], None, str]:
     """Generate after `prompt`, yielding the tokens each round keeps (see `RowOutput.push`).
+
+    `tuner`: for an adaptive plan, a warm `AdaptiveK` (what earlier generations measured; it
+    goes on learning here); None starts a new one.
 
     On return, `stats` is complete and the reason is the generator's return value ("eos" |
     "max_new_tokens" | "context" | "stop").
@@ -48,7 +51,7 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
     kept = output.push(first)
     stats.new_tokens = len(output.tokens)
     yield kept
-    adaptive = new_tuner(plan.drafter, plan.k) if plan.adaptive and drafter else None
+    adaptive = (tuner or new_tuner(plan.drafter, plan.k)) if plan.adaptive and drafter else None
     decode_start = time.perf_counter()
     try:
         while not output.done:
