@@ -181,6 +181,23 @@ def test_device_argmax_batches_equal_batch1(concat_dir: Path) -> None:
     assert spy.calls > 0
 
 
+def test_batch_draft_paths_with_and_without_a_confidence_cut_off(concat_dir: Path) -> None:
+    """Greedy batch rows draft from argmax ids without a cut-off and from logits with one; both
+    give the target-only tokens, with the argmax on the host and on the device."""
+    off = Pair.load(concat_dir)
+    on = _with(concat_dir, device_argmax=True)
+    cfg = GenerationConfig(max_new_tokens=20, drafter="model", num_draft_tokens=4,
+                           adaptive=False)
+    want = [off.generate(p, replace(cfg, drafter="none")).tokens for p in PROMPTS]
+    proposed = []
+    for p_min in (0.0, 0.02):  # 0.02 cuts about half the tiny draft's proposals
+        for pair in (off, on):
+            got = pair.generate_batch(PROMPTS, replace(cfg, draft_p_min=p_min))
+            assert [r.tokens for r in got.results] == want, (p_min, pair is on)
+            proposed.append(got.stats.proposed)
+    assert proposed[0] == proposed[1] > proposed[2] == proposed[3] > 0  # the cut-off cuts
+
+
 def test_forward_rows_greedy_ids_and_kept_rows(concat_dir: Path) -> None:
     on = _with(concat_dir, device_argmax=True)
     off = Pair.load(concat_dir)
