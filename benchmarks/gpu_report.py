@@ -96,8 +96,11 @@ def bars(data: dict[str, Any]) -> list[dict[str, Any]]:
         ok = "error" not in v
         out.append({"bar": f"{label}: target-only and K=3 == default target-only, all prompts",
                     "measured": (f"target-only {v['target-only']}/{v['prompts']}, K=3 "
-                                 f"{v['K=3']}/{v['prompts']}") if ok else v["error"][:200],
-                    "passed": (v["target-only"] == v["K=3"] == v["prompts"]) if ok else None})
+                                 f"{v['K=3']}/{v['prompts']}"
+                                 + (f" (of {v['of']}: time)" if v.get("of", v["prompts"])
+                                    != v["prompts"] else "")) if ok else v["error"][:200],
+                    "passed": (v["target-only"] == v["K=3"] == v["prompts"]
+                               == v.get("of", v["prompts"])) if ok else None})
     return out + batch_bars(data)
 
 
