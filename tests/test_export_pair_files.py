@@ -45,17 +45,19 @@ def _assert_readable(folder: Path) -> None:
 
 
 def test_pair_files_are_readable_by_all(tmp_path: Path, hf: Path) -> None:
-    """Files 0644, folders 0755 (the staging folder was 0700 and the draft's model.onnx.data
-    0600), for `export` and for `quantize`, which writes through the same path."""
+    """Files 0644, folders 0755 (the staging folder was 0700, and in the concat form both
+    models' model.onnx.data were 0600), for `export` in both graph forms and for `quantize`,
+    which writes through the same path."""
     from specedge.cli import main
     from specedge.exporter.pair import ExportOptions, export_pair
 
     old = os.umask(0o022)
     try:
-        out = tmp_path / "pair"
-        export_pair(ExportOptions(target=str(hf), output=out, draft_precision="int4",
-                                  validate=False))
-        _assert_readable(out)
+        for graph in ("concat", "gqa-shared"):
+            out = tmp_path / graph
+            export_pair(ExportOptions(target=str(hf), output=out, draft_precision="int4",
+                                      graph=graph, validate=False))
+            _assert_readable(out)
         quantized = tmp_path / "quantized"
         result = CliRunner().invoke(main, ["quantize", str(out), "-o", str(quantized),
                                            "--method", "int8-rtn"])
