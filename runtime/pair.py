@@ -336,7 +336,10 @@ class Pair:
         drafter = build_drafter(plan.drafter, self.draft, max_len, plan.draft_p_min)
         cache = self.target.new_cache(1, max_len)
         sampler = RowSampler(config.sampling, self.target.spec.vocab_size)
-        return decode(self.target, cache, drafter, ids, plan, sampler, output, stats)
+        key = (1, plan.drafter, plan.k)
+        tuner = self._take_tuner(key, plan) if drafter is not None else None
+        return self._learning(decode(self.target, cache, drafter, ids, plan, sampler, output,
+                                     stats, tuner=tuner), key, tuner)
 
     def _learning(self, rounds: Generator[list[int], None, str], key: tuple[int, str, int],
                   tuner: AdaptiveK | None) -> Generator[list[int], None, str]:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from specedge.runtime.drafters import AdaptiveK
+from specedge.runtime.pair import GenerationConfig, Pair
 
 PROFILES = {
     "flat-0.97": [0.97] * 8,  # an int8 self-draft (measured 0.97 at every depth)
@@ -70,3 +71,18 @@ def test_rarely_reached_positions_borrow_from_shallower_ones() -> None:
         tuner.update(4, accepted, 0.43 * 4, 4, verify_cost(5))
     assert tuner.accept[4] > 0.75
     assert tuner.k >= 4
+
+
+def test_batch1_generations_continue_one_tuner(tiny_pair: Pair) -> None:
+    """Adaptive K learns across generations: the second starts from what the first measured
+    (a fresh tuner per generation spent most of a 128-token answer relearning; the batch path
+    already kept its tuners). Greedy output stays target-only's."""
+    cfg = GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=4, adaptive=True)
+    first = tiny_pair.generate("The quick", cfg)
+    tuner = tiny_pair._tuners[(1, "model", 4)]
+    rounds = tuner.rounds
+    assert rounds >= first.stats.rounds - 1 > 0
+    second = tiny_pair.generate("def add(a, b):", cfg)
+    assert tiny_pair._tuners[(1, "model", 4)].rounds >= rounds + second.stats.rounds - 1
+    plain = GenerationConfig(max_new_tokens=24, drafter="none")
+    assert second.tokens == tiny_pair.generate("def add(a, b):", plain).tokens
