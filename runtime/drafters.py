@@ -78,18 +78,30 @@ class ModelDrafter:
         probs: list[np.ndarray] = []
         seconds = step_seconds = 0.0
         step_calls = calls = 0
+        # Greedy without a confidence cut-off needs only the argmax: on a GPU the greedy head
+        # takes it on the device (no vocabulary row crosses to the host), on the CPU it skips
+        # the softmax that the confidence would cost.
+        argmax_only = sampler.params.greedy and self.p_min <= 0
         for i in range(k):
             calls += 1
+            block = np.asarray([pending], np.int64)
             t0 = time.perf_counter()
-            logits = self.model.forward(self.cache, np.asarray([pending], np.int64))[0, -1]
+            if argmax_only:
+                pick = int(self.model.forward_argmax(self.cache, block, last=True)[0, 0])
+            else:
+                logits = self.model.forward(self.cache, block)[0, -1]
             spent = time.perf_counter() - t0
             seconds += spent
             if len(pending) == 1:
                 step_seconds += spent
                 step_calls += 1
             self.fed.extend(pending)
-            token, p, confidence = sampler.draft_token(logits, position + i,
-                                                       self.model.vocab_ids)
+            if argmax_only:
+                ids = self.model.vocab_ids
+                token, p, confidence = (pick if ids is None else int(ids[pick])), None, 1.0
+            else:
+                token, p, confidence = sampler.draft_token(logits, position + i,
+                                                           self.model.vocab_ids)
             if confidence < self.p_min:
                 break  # the draft doubts this token: verifying it is likely wasted
             if p is not None:

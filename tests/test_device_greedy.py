@@ -362,3 +362,33 @@ def test_ortmodel_is_unchanged_for_drafters(tiny_pair: Pair) -> None:
     kept = first.copy()
     model.forward(cache, np.asarray([[3, 4]], np.int64))
     assert np.array_equal(first, kept)
+
+
+@pytest.mark.parametrize("device_argmax", [False, True])
+def test_greedy_draft_steps_take_only_the_argmax(tiny_pair_dir: Path, device_argmax: bool
+                                                 ) -> None:
+    """Greedy drafting without a confidence cut-off asks the draft for argmax ids only (on a GPU
+    the greedy head keeps the vocabulary row on the device); it proposes what the logits path
+    proposes, and the output stays target-only's."""
+    from specedge.runtime.drafters import ModelDrafter
+    from specedge.runtime.rounds import RowSampler
+
+    t = plan_threads("cpu", "cpu")
+    plan = ThreadPlan(replace(t.target, device_argmax=device_argmax),
+                      replace(t.draft, device_argmax=device_argmax))
+    pair = Pair.load(tiny_pair_dir, plan=plan)
+    assert pair.draft is not None
+    sampler = RowSampler(SamplingParams(), pair.manifest.vocab_size)
+    prompt = pair.encode_prompt("The quick brown")
+    calls: list[int] = []
+    real = pair.draft.forward_argmax
+    pair.draft.forward_argmax = lambda *a, **kw: calls.append(1) or real(*a, **kw)  # type: ignore[method-assign]
+    fast = ModelDrafter(pair.draft, pair.draft.new_cache(1, 64))
+    slow = ModelDrafter(pair.draft, pair.draft.new_cache(1, 64), p_min=1e-12)
+    got = fast.propose(prompt, 5, sampler, 0).tokens
+    assert len(calls) == 5
+    assert got.tolist() == slow.propose(prompt, 5, sampler, 0).tokens.tolist()
+    assert len(calls) == 5  # the cut-off path reads the logits
+    cfg = GenerationConfig(max_new_tokens=20, drafter="model", num_draft_tokens=4)
+    assert (pair.generate("def add(a, b):", cfg).tokens ==
+            pair.generate("def add(a, b):", replace(cfg, drafter="none")).tokens)
