@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +224,8 @@ class Pair:
     @classmethod
     def load(cls, path: str | Path, *, providers: str | Sequence[str] = "cpu",
              plan: ThreadPlan | None = None, verify_hashes: bool = True,
-             load_draft: bool = True) -> Pair:
+             load_draft: bool = True, cuda_graph: bool = False,
+             device_argmax: bool | None = None) -> Pair:
         """Load a pair folder written by `specedge export`.
 
         Args:
@@ -234,6 +235,10 @@ class Pair:
             plan: explicit thread settings; default `plan_threads(...)` for the providers.
             verify_hashes: check every file's sha256 (default); skipping is logged.
             load_draft: False loads only the target (target-only or n-gram decoding).
+            cuda_graph: capture and replay CUDA graphs for the models on "cuda" (off by
+                default; see `SessionConfig.cuda_graph`).
+            device_argmax: greedy argmax where the logits are (None: on for GPU providers,
+                off on the CPU; see `SessionConfig.device_argmax`).
 
         Raises:
             ManifestError: missing, malformed, tampered or unsafe pair folder.
@@ -249,6 +254,15 @@ class Pair:
             target_p, draft_p = providers
         d = manifest.defaults
         plan = plan or plan_threads(target_p, draft_p, d.target_threads, d.draft_threads)
+        if cuda_graph and "cuda" not in (plan.target.provider, plan.draft.provider):
+            raise InputError("CUDA graphs need a model on the cuda provider; use --providers "
+                             "cuda (or cuda,cpu), or drop --cuda-graph")
+        if cuda_graph or device_argmax is not None:
+            def tuned(c: SessionConfig) -> SessionConfig:
+                argmax = c.device_argmax if device_argmax is None else device_argmax
+                return replace(c, device_argmax=argmax,
+                               cuda_graph=c.cuda_graph or (cuda_graph and c.provider == "cuda"))
+            plan = ThreadPlan(tuned(plan.target), tuned(plan.draft))
         tokenizer = Tokenizer.from_folder(manifest.root, bos_token_id=manifest.bos_token_id,
                                           eos_token_ids=manifest.eos_token_ids)
         if tokenizer.vocab_size > manifest.vocab_size:

@@ -392,3 +392,14 @@ def test_greedy_draft_steps_take_only_the_argmax(tiny_pair_dir: Path, device_arg
     cfg = GenerationConfig(max_new_tokens=20, drafter="model", num_draft_tokens=4)
     assert (pair.generate("def add(a, b):", cfg).tokens ==
             pair.generate("def add(a, b):", replace(cfg, drafter="none")).tokens)
+
+
+def test_pair_load_switches(tiny_pair_dir: Path) -> None:
+    pair = Pair.load(tiny_pair_dir, device_argmax=True)
+    assert pair.target.config.device_argmax is True and pair.draft is not None
+    assert pair.draft.config.device_argmax is True
+    cfg = GenerationConfig(max_new_tokens=16, drafter="model", num_draft_tokens=3)
+    assert (pair.generate("The quick", cfg).tokens ==
+            Pair.load(tiny_pair_dir).generate("The quick", cfg).tokens)
+    with pytest.raises(InputError, match="CUDA graphs need a model on the cuda provider"):
+        Pair.load(tiny_pair_dir, cuda_graph=True)
