@@ -235,6 +235,7 @@ class AdaptiveK:
         self.draft_step = draft_step  # seconds per drafted position (0 for free drafts)
         self.verify: dict[int, float] = {}  # moving average of verify(s)
         self.verify_weight: dict[int, float] = {}  # decayed sample counts behind it
+        self._line: tuple[float, float, float] | None = None  # (mean s, mean cost, slope)
         self.rounds = 0
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
@@ -257,6 +258,7 @@ class AdaptiveK:
         not choose, e.g. a free n-gram hit next to model drafting)."""
         self.verify[size] = self._ema(self.verify.get(size), verify_s)
         self.verify_weight[size] = self.decay * self.verify_weight.get(size, 0.0) + 1.0
+        self._line = None  # refitted on demand
 
     def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
                      draft_step_calls: int, verify_s: float) -> None:
@@ -291,13 +293,15 @@ class AdaptiveK:
             return self.verify.get(s, next(iter(self.verify.values()), None))
         if not self.verify:
             return None
-        w = np.asarray([self.verify_weight[x] for x in self.verify])
-        x = np.asarray(list(self.verify), np.float64)
-        y = np.asarray(list(self.verify.values()))
-        xm, ym = np.average(x, weights=w), np.average(y, weights=w)
-        var = float(np.average((x - xm) ** 2, weights=w))
-        slope = max(0.0, float(np.average((x - xm) * (y - ym), weights=w)) / var) if var else 0.0
-        return max(float(ym + slope * (s - xm)), 1e-9)
+        if self._line is None:
+            w = sum(self.verify_weight.values())
+            xm = sum(x * self.verify_weight[x] for x in self.verify) / w
+            ym = sum(y * self.verify_weight[x] for x, y in self.verify.items()) / w
+            var = sum(self.verify_weight[x] * (x - xm) ** 2 for x in self.verify)
+            cov = sum(self.verify_weight[x] * (x - xm) * (y - ym) for x, y in self.verify.items())
+            self._line = (xm, ym, max(0.0, cov / var) if var else 0.0)
+        xm, ym, slope = self._line
+        return max(ym + slope * (s - xm), 1e-9)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens per round at k (1 from the target plus the expected accepted drafts)."""

@@ -219,6 +219,8 @@ class LoadOptions:
     providers: str = "cpu"
     threads: str | None = None
     no_verify: bool = False
+    cuda_graph: bool = False
+    argmax: str = "auto"
 
     def load(self, pair: Path) -> Pair:
         """Load `pair` with these providers and threads.
@@ -250,7 +252,8 @@ class LoadOptions:
                     "0 picks for you)")
             plan = plan_threads(target_p, draft_p, nums[0], nums[-1])
         return Pair.load(pair, providers=(target_p, draft_p), plan=plan,
-                         verify_hashes=not self.no_verify)
+                         verify_hashes=not self.no_verify, cuda_graph=self.cuda_graph,
+                         device_argmax={"auto": None, "device": True, "host": False}[self.argmax])
 
 
 load_options = _collect("load", LoadOptions, [
@@ -258,6 +261,12 @@ load_options = _collect("load", LoadOptions, [
                  help="Execution provider, or TARGET,DRAFT (e.g. cuda,cpu)."),
     click.option("--threads", default=None, help="Intra-op threads, or TARGET,DRAFT."),
     NO_VERIFY,
+    click.option("--cuda-graph", is_flag=True,
+                 help="Capture and replay CUDA graphs for the models on cuda (gqa-shared pairs)."),
+    click.option("--argmax", default="auto", show_default=True,
+                 type=click.Choice(["auto", "device", "host"]),
+                 help="Where greedy verification takes the argmax: auto = on the device for "
+                      "GPU providers, on the host for cpu."),
 ])
 
 
@@ -580,12 +589,14 @@ def tune(pair: Path, data_file: Path | None, ks: tuple[int, ...], drafters: tupl
                        ks=ks, drafters=drafters, max_new_tokens=max_new_tokens,
                        write=not dry_run)
     table = run(opts, progress=lambda msg: click.echo(msg, err=True))
+    def setting(r: dict[str, Any]) -> str:
+        return f"{r['drafter']} " + (f"adaptive K<={r['k']}" if r["adaptive"] else f"K={r['k']}")
+
     for r in table["rows"]:
         acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        click.echo(f"{r['drafter']:>6} K={r['k']}: {r['tokens_per_s']:.1f} tok/s "
+        click.echo(f"{setting(r):>22}: {r['tokens_per_s']:.1f} tok/s "
                    f"({r['speedup']:.2f}x), acceptance {acc}")
-    b = table["best"]
-    click.echo(f"best: {b['drafter']} K={b['k']}" + ("" if dry_run else f" -> {pair}"))
+    click.echo(f"best: {setting(table['best'])}" + ("" if dry_run else f" -> {pair}"))
 
 
 def _print_stats(result: GenerationResult) -> None:
@@ -876,10 +887,13 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
         _bench_batches(pair, prompts_file, batches, ks, max_new_tokens, not no_adaptive,
                        not plain, load, json_out)
         return
+    from specedge.runtime.prompts import read_categories
+
     options = b.BenchOptions(
         prompts=_read_prompts(prompts_file, b.DEFAULT_PROMPTS), max_new_tokens=max_new_tokens,
         ks=ks, adaptive=not no_adaptive, drafter=drafter, repeats=repeats, warmup=warmup,
-        chat=not plain, temperature=temperature)
+        chat=not plain, temperature=temperature,
+        categories=read_categories(prompts_file) if prompts_file is not None else None)
     loaded = load.load(pair)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("bench", total=b.total_generations(loaded, options))
@@ -889,6 +903,9 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
     print_table(_new_table(f"specedge bench {pair} ({len(options.prompts)} prompts x "
                            f"{options.max_new_tokens} tokens, {options.repeats} repeats)",
                            b.HEADERS, b.format_rows(report)))
+    if options.categories is not None:
+        headers, rows = b.format_category_rows(report)
+        print_table(_new_table("speed-up over target only, by prompt category", headers, rows))
     c = report.costs
     click.echo(f"target call: {1000 * c.target[1]:.2f} ms for 1 token at a past of "
                f"{c.past_len}; draft step: "
@@ -964,9 +981,11 @@ def inspect(pair: Path, no_verify: bool) -> None:
 def _register_commands() -> None:
     """Commands that live in their own modules (they import this one lazily)."""
     from specedge.doctor_cli import doctor
+    from specedge.engine_cli import build_engine
     from specedge.serve_cli import serve
 
     main.add_command(doctor)
+    main.add_command(build_engine)
     main.add_command(serve)
 
 

@@ -162,3 +162,16 @@ def test_comma_separated_integers_are_usage_errors(runner: CliRunner, args: list
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     assert "Invalid value for" in result.stderr and "comma-separated integers" in result.stderr
+
+
+def test_gpu_switches_and_build_engine_are_on_the_cli(runner: CliRunner,
+                                                     tiny_pair_dir: Path) -> None:
+    """--cuda-graph / --argmax reach Pair.load; build-engine is registered on the group."""
+    assert "build-engine" in main.commands
+    assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "hi", "--cuda-graph"),
+                       "CUDA graphs need a model on the cuda provider")
+    assert _choices("generate", "argmax") == ("auto", "device", "host")
+    host = invoke(runner, "generate", tiny_pair_dir, "The quick", "--max-new-tokens", "8")
+    device = invoke(runner, "generate", tiny_pair_dir, "The quick", "--max-new-tokens", "8",
+                    "--argmax", "device")
+    assert host.exit_code == device.exit_code == 0 and host.stdout == device.stdout
