@@ -16,6 +16,8 @@ PAIR=${SPECEDGE_FAST_PAIR:-pairs/smollm2-135m-fast}
 [ -f "$PAIR/specedge.json" ] || models/smollm2-135m-fast.sh "$PAIR"
 specedge generate "$PAIR" "Explain speculative decoding in two sentences." --chat \
   --max-new-tokens 128 --stats
-# Speculative (the pair's defaults) against target-only on the same prompts, interleaved.
-K=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['defaults']['num_draft_tokens'])" "$PAIR/specedge.json")
-specedge bench "$PAIR" --drafter hybrid --ks "$K" --no-adaptive --repeats 2 --max-new-tokens 128
+# Speculative (the pair's defaults: drafter, K, adaptive or fixed) against target-only on the
+# same prompts, interleaved.
+read -r DRAFTER K ADAPTIVE < <(python -c "import json,sys; d=json.load(open(sys.argv[1]))['defaults']; print(d['drafter'], d['num_draft_tokens'], int(d['adaptive']))" "$PAIR/specedge.json")
+if [ "$ADAPTIVE" = 1 ]; then FIXED=(); else FIXED=(--no-adaptive); fi
+specedge bench "$PAIR" --drafter "$DRAFTER" --ks "$K" "${FIXED[@]}" --repeats 2 --max-new-tokens 128
