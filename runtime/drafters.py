@@ -216,13 +216,15 @@ class AdaptiveK:
       to `max_probe_every`), because a probe is not free.
 
     A tuner outlives one generation: `Pair` keeps one per (batch size, drafter, k max), so every
-    generation after the first starts from what this device measured.
+    generation after the first starts from what this device measured; `new_text` discounts the
+    acceptance counts at each new generation (acceptance belongs to the text, costs to the
+    device).
     """
 
     MIN_COST_SAMPLES = 3.0
 
     def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
-                 accept_decay: float = 0.99, shrink: float = 4.0, prior: float = 0.7,
+                 accept_decay: float = 0.98, shrink: float = 4.0, prior: float = 0.7,
                  probe_every: int = 16,
                  max_probe_every: int = 256, draft_step: float | None = None) -> None:
         self.k_max = k_max
@@ -244,6 +246,16 @@ class AdaptiveK:
         self.probing = False  # the current k is a probe
         self._best_at_probe: int | None = None
         self._probes = 0
+
+    def new_text(self, carry: float = 0.3) -> None:
+        """A new generation starts: keep the measured costs (a property of the device), but
+        discount the acceptance counts to `carry` of their weight (a property of the text) so
+        the new prompt's own rounds take over within a few rounds, and choose k again."""
+        self.hits = [h * carry for h in self.hits]
+        self.reached = [n * carry for n in self.reached]
+        self._estimate_acceptance()
+        if self.draft_step is not None:
+            self.k = self.choose()
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new

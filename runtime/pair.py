@@ -334,7 +334,11 @@ class Pair:
             return None
         with self._tuner_lock:
             stored = self._tuners.get(key)
-        return copy.deepcopy(stored) if stored is not None else new_tuner(plan.drafter, plan.k)
+        if stored is None:
+            return new_tuner(plan.drafter, plan.k)
+        tuner = copy.deepcopy(stored)
+        tuner.new_text()
+        return tuner
 
     def _keep_tuner(self, key: tuple[int, str, int], tuner: AdaptiveK | None) -> None:
         if tuner is not None:

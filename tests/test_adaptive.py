@@ -70,7 +70,8 @@ def test_rarely_reached_positions_borrow_from_shallower_ones() -> None:
     for accepted in (3, 4):
         tuner.update(4, accepted, 0.43 * 4, 4, verify_cost(5))
     assert tuner.accept[4] > 0.75
-    assert tuner.k >= 4
+    rate3, rate4 = tuner.expected_rate(3), tuner.expected_rate(4)
+    assert rate3 is not None and rate4 is not None and rate4 >= 0.99 * rate3
 
 
 def test_batch1_generations_continue_one_tuner(tiny_pair: Pair) -> None:
@@ -86,3 +87,20 @@ def test_batch1_generations_continue_one_tuner(tiny_pair: Pair) -> None:
     assert tiny_pair._tuners[(1, "model", 4)].rounds >= rounds + second.stats.rounds - 1
     plain = GenerationConfig(max_new_tokens=24, drafter="none")
     assert second.tokens == tiny_pair.generate("def add(a, b):", plain).tokens
+
+
+def test_a_new_text_keeps_the_costs_and_discounts_the_acceptance() -> None:
+    """Costs belong to the device and carry over whole; acceptance belongs to the text, so a new
+    generation's own rounds outweigh the previous text's within a few rounds."""
+    tuner = AdaptiveK(8)
+    for _ in range(300):  # a text the draft knows: everything accepted
+        k = tuner.k
+        tuner.update(k, k, 0.4 * k, k, verify_cost(k + 1))
+    assert tuner.k >= 6
+    verify, draft = dict(tuner.verify), tuner.draft_step
+    tuner.new_text()
+    assert tuner.verify == verify and tuner.draft_step == draft
+    for _ in range(12):  # a text it does not know: nothing accepted
+        k = tuner.k
+        tuner.update(k, 0, 0.4 * k, k, verify_cost(k + 1))
+    assert tuner.k <= 1
