@@ -50,13 +50,23 @@ ARCHS: dict[str, ArchSpec] = {
         ArchSpec("gemma", "GemmaForCausalLM", "gqa-shared", dict(_LLAMA_LIKE, head_dim=16)),
         ArchSpec("gemma2", "Gemma2ForCausalLM", "gqa-shared",
                  dict(_LLAMA_LIKE, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)),
-        ArchSpec("gemma3_text", "Gemma3ForCausalLM", "concat",
+        ArchSpec("gemma3_text", "Gemma3ForCausalLM", "gqa-shared",
                  dict(_LLAMA_LIKE, head_dim=16, sliding_window=64, query_pre_attn_scalar=16,
                       sliding_window_pattern=2)),
         ArchSpec("gpt2", "GPT2LMHeadModel", "concat",
                  dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
     )
 }
+
+
+def default_graph(spec: ArchSpec, config: Any) -> str:
+    """The graph form a model exports in by default: its family's, except that a Gemma 3 whose
+    rotary scaling the builder cannot take (see `builder_shim`) stays in the concat form."""
+    from .builder_shim import flattenable
+
+    if spec.graph == "gqa-shared" and not flattenable(config):
+        return "concat"
+    return spec.graph
 
 
 def supported() -> str:

@@ -62,7 +62,8 @@ def build_gqa(hf_dir: Path, out: Path, precision: str, provider: str, cache: Pat
         # The embedding Gather too (GatherBlockQuantized): tied models share the LM head's
         # 4-bit weights, untied ones get their own 4-bit table.
         extra = {**extra, "op_types_to_quantize": "MatMul/Gather"}
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir),
+    # The builder, through the shim that rewrites configs it cannot read (builder_shim).
+    cmd = [sys.executable, "-m", "specedge.exporter.builder_shim", "-i", str(hf_dir),
            "-o", str(out), "-p", _BUILDER_PRECISION[precision], "-e", provider,
            "-c", str(cache)]
     if extra:

@@ -41,7 +41,7 @@ from specedge.runtime.manifest import (
 )
 
 from . import onnx_export, quantize, sources, validate
-from .archs import arch_for
+from .archs import arch_for, default_graph
 
 GRAPHS = ("gqa-shared", "concat")
 PRECISIONS = ("fp32", "fp16", *quantize.EXPORT_METHODS)  # what an export can write
@@ -283,11 +283,12 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
 
     config = AutoConfig.from_pretrained(str(src.folder))
     arch = arch_for(config, where=str(src.folder))
-    graph = opts.graph or arch.graph
-    if graph != arch.graph and arch.graph == "concat":
-        raise ExportError(f"{src.folder}: {arch.model_type} exports only the concat graph form "
-                          f"(the ONNX Runtime GenAI builder does not cover it); drop --graph "
-                          f"{graph} or use --graph concat")
+    family_graph = default_graph(arch, config)
+    graph = opts.graph or family_graph
+    if graph != family_graph and family_graph == "concat":
+        raise ExportError(f"{src.folder}: this {arch.model_type} exports only the concat graph "
+                          f"form (the ONNX Runtime GenAI builder does not cover it); drop "
+                          f"--graph {graph} or use --graph concat")
     method = quantize.EXPORT_METHODS.get(precision)
     if graph == "concat" and precision != "fp32" and method is None:
         raise ExportError(f"{src.folder}: {arch.model_type} exports fp32, "

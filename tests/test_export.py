@@ -269,3 +269,45 @@ def test_llama_concat_ragged_batch_matches_batch1(llama_concat_pair: Path, model
     # The new tokens' keys/values land after the holes, equal to the batch-1 ones.
     for got, want in zip(present, present1, strict=True):
         np.testing.assert_allclose(got[1, :, 5:], want[0, :, 3:], atol=atol, rtol=0)
+
+
+def test_gemma3_exports_in_the_fast_form(work: Path) -> None:
+    """Gemma 3 goes through the model builder (GroupQueryAttention, in-place cache) since the
+    shim flattens transformers 5's nested rotary config; it failed there before (issue 17)."""
+    from specedge.exporter.tiny import make_tiny_model
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    hf = work / "gemma3_text"
+    if not (hf / "config.json").is_file():
+        make_tiny_model("gemma3_text", hf, seed=1)
+    report = _export(hf, work / "gemma3-fast", draft_precision="int4")
+    target, draft = report.manifest.target, report.manifest.draft
+    assert target.graph == "gqa-shared" and target.validation["passed"]
+    assert draft is not None and draft.graph == "gqa-shared"
+    pair = Pair.load(report.folder)
+    ids = pair.encode_prompt("The quick brown fox jumps over the lazy dog and")
+    base, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=80, drafter="none"))
+    spec, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=80, drafter="model",
+                                                         num_draft_tokens=4, adaptive=False))
+    assert spec == base  # past the 64-token sliding window of the tiny config
+
+
+def test_gemma3_rotary_configs_the_builder_cannot_take_stay_concat() -> None:
+    from transformers import Gemma3TextConfig
+
+    from specedge.exporter.archs import ARCHS, default_graph
+    from specedge.exporter.builder_shim import fix_config, flattenable
+
+    plain = Gemma3TextConfig(**ARCHS["gemma3_text"].tiny_config)
+    assert flattenable(plain) and default_graph(ARCHS["gemma3_text"], plain) == "gqa-shared"
+    fixed = fix_config(plain)
+    assert fixed.rope_parameters["rope_type"] == "default"
+    assert fixed.rope_local_base_freq == 10_000.0
+    scaled = Gemma3TextConfig(**ARCHS["gemma3_text"].tiny_config,
+                              rope_parameters={
+                                  "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                     "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": 1e4}})
+    assert not flattenable(scaled)
+    assert default_graph(ARCHS["gemma3_text"], scaled) == "concat"
