@@ -356,11 +356,26 @@ def _read_prompts(path: Path | None, default: tuple[str, ...]) -> tuple[str, ...
 
 @contextmanager
 def _status(message: str) -> Iterator[Callable[[str], None]]:
-    """A spinner on stderr; the context value updates its text (a `say` for the library)."""
+    """A spinner on stderr for the running stage; the context value (a `say` for the library)
+    starts the next stage. On success each stage is then listed with its time (on an error
+    only the error line is printed)."""
+    import time
+
     from rich.console import Console
 
-    with Console(stderr=True).status(message) as spinner:
-        yield lambda msg: spinner.update(msg)
+    console = Console(stderr=True)
+    names, starts = [message], [time.perf_counter()]
+
+    def say(msg: str) -> None:
+        names.append(msg)
+        starts.append(time.perf_counter())
+        spinner.update(msg)
+
+    with console.status(message) as spinner:
+        yield say
+    starts.append(time.perf_counter())
+    for name, start, end in zip(names, starts, starts[1:], strict=False):
+        console.print(f"  {name}: {end - start:.1f} s", highlight=False)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -476,7 +491,11 @@ def _print_export(report: Any) -> None:
     d = report.manifest.defaults
     click.echo(f"chat template: {_template_source(template)}; defaults: {d.drafter} drafting, "
                f"K={d.num_draft_tokens}{', adaptive' if d.adaptive else ''}")
-    click.echo(f"export took {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MiB")
+    sizes = {name: sum(f.stat().st_size for f in (report.folder / name).rglob("*")
+                       if f.is_file())
+             for name in ("target", "draft") if (report.folder / name).is_dir()}
+    click.echo(f"export took {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MiB; "
+               + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in sizes.items()))
 
 
 def _template_source(template: dict[str, Any]) -> str:

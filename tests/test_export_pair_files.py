@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -176,6 +177,12 @@ def test_export_without_precision_flags_writes_the_fast_cpu_pair(tmp_path: Path,
     assert result.exit_code == 0, result.output
     notes = [ln for ln in result.output.splitlines() if ln.startswith("defaults for cpu:")]
     assert len(notes) == 1 and "int8-rtn" in notes[0] and "hybrid" in notes[0]
+    # Each stage with its time on stderr, and the pair's sizes (issue 17, quiet and informative).
+    stages = [ln.strip() for ln in result.stderr.splitlines() if ln.strip()]
+    assert any(ln.startswith("validating against torch:") and ln.endswith(" s")
+               for ln in stages), stages
+    assert any(ln.startswith("quantizing the draft (int8-rtn):") for ln in stages), stages
+    assert re.search(r"target [0-9.]+ MiB, draft [0-9.]+ MiB", result.stdout), result.stdout
     manifest = json.loads((out / "specedge.json").read_text())
     target, draft = manifest["models"]["target"], manifest["models"]["draft"]
     assert target["precision"] == "fp32" and draft["precision"] == "int8"
