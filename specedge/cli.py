@@ -494,8 +494,8 @@ def _print_export(report: Any) -> None:
     sizes = {name: sum(f.stat().st_size for f in (report.folder / name).rglob("*")
                        if f.is_file())
              for name in ("target", "draft") if (report.folder / name).is_dir()}
-    click.echo(f"export took {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MiB; "
-               + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in sizes.items()))
+    click.echo(f"export took {report.seconds:.1f} s, peak RSS {report.peak_rss_mb:.0f} MiB"
+               + "".join(f"; {name} {size / 2**20:.1f} MiB" for name, size in sizes.items()))
 
 
 def _template_source(template: dict[str, Any]) -> str:

@@ -128,10 +128,10 @@ def concat_pair(fixtures_dir: Path, tmp_path: Path) -> Path:
     shutil.copytree(fixtures_dir / "tiny-llama-concat", dest)
     manifest = load_manifest(dest)
     shutil.rmtree(dest / "draft")
-    (dest / "draft").mkdir()
-    shutil.copy(dest / "target" / "model.onnx", dest / "draft" / "model.onnx")
+    shutil.copytree(dest / "target", dest / "draft")  # model.onnx and its external data
     draft = dataclasses.replace(manifest.target, path="draft/model.onnx",
-                                files={"draft/model.onnx": sha256_file(dest / "draft/model.onnx")})
+                                files={f"draft/{f.name}": sha256_file(f)
+                                       for f in sorted((dest / "draft").iterdir())})
     write_manifest(dataclasses.replace(manifest, draft=draft), dest)
     return dest
 

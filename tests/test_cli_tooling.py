@@ -127,7 +127,10 @@ def test_tables_are_whole_when_stdout_is_not_a_terminal(monkeypatch: pytest.Monk
     draft = SimpleNamespace(precision="int4", graph="gqa-shared", validation=_validation(1.07))
     report = SimpleNamespace(folder=Path("/pairs/smollm2-135m-instruct-reference-pair"),
                              seconds=45.6, peak_rss_mb=1884.0,
-                             manifest=SimpleNamespace(target=target, draft=draft))
+                             manifest=SimpleNamespace(
+                                 target=target, draft=draft, provenance={},
+                                 defaults=SimpleNamespace(drafter="hybrid", num_draft_tokens=5,
+                                                          adaptive=False)))
     cli._print_export(report)
     out = capsys.readouterr().out
     assert "…" not in out

@@ -182,7 +182,7 @@ def test_export_without_precision_flags_writes_the_fast_cpu_pair(tmp_path: Path,
     assert any(ln.startswith("validating against torch:") and ln.endswith(" s")
                for ln in stages), stages
     assert any(ln.startswith("quantizing the draft (int8-rtn):") for ln in stages), stages
-    assert re.search(r"target [0-9.]+ MiB, draft [0-9.]+ MiB", result.stdout), result.stdout
+    assert re.search(r"target [0-9.]+ MiB; draft [0-9.]+ MiB", result.stdout), result.stdout
     manifest = json.loads((out / "specedge.json").read_text())
     target, draft = manifest["models"]["target"], manifest["models"]["draft"]
     assert target["precision"] == "fp32" and draft["precision"] == "int8"
