@@ -11,7 +11,7 @@ round takes the n-gram lookup first (`drafters.NgramDrafter`, `take_ngram`), exa
 k * draft_step + verify(k + 1), with verify(s) / verify(1) and draft_step / verify(1) measured on
 this device by `bench.measure_costs` (or given), each charge drawn with ±`--noise` so the tuner
 sees noisy measurements as it would live. Adaptive K runs the real `drafters.AdaptiveK`, one
-tuner carried across the prompts as `Pair` does.
+tuner carried across the prompts as `Pair` does (with `new_text` at each prompt).
 
 This is a design tool: it shows what a policy does with the costs it is given. Speed claims
 come from `specedge bench`, which runs the real loop.
@@ -24,6 +24,7 @@ Usage: python benchmarks/adaptive_replay.py PAIR [--prompts benchmarks/prompts.j
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 from collections import defaultdict
@@ -125,14 +126,23 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--costs", type=Path, default=None,
+                    help="take the costs from a `specedge bench --json` report instead of "
+                         "measuring them now")
     args = ap.parse_args()
     pair = Pair.load(args.pair)
     prompts = read_prompts(args.prompts)
     categories = read_categories(args.prompts) or ("all",) * len(prompts)
-    c = measure_costs(pair)
-    v1 = c.target[1]
-    costs = CostModel({s: t / v1 for s, t in c.target.items()},
-                      (c.draft_step or 0.0) / v1 if args.drafter != "ngram" else 0.0,
+    if args.costs is not None:
+        measured = json.loads(args.costs.read_text())["costs"]
+        target = {int(s): float(t) for s, t in measured["target"].items()}
+        draft_step = measured["draft_step"]
+    else:
+        c = measure_costs(pair)
+        target, draft_step = c.target, c.draft_step
+    v1 = target[1]
+    costs = CostModel({s: t / v1 for s, t in target.items()},
+                      (draft_step or 0.0) / v1 if args.drafter != "ngram" else 0.0,
                       args.noise, args.seed)
     traces = record(pair, prompts, args.max_new_tokens)
     ks = [int(k) for k in args.ks.split(",")]
@@ -144,6 +154,8 @@ def main() -> None:
     sums: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
     for trace, category in zip(traces, categories, strict=True):
         for name, k, tuner in settings:
+            if tuner is not None:
+                tuner.new_text()  # as `Pair` does at each generation
             drafter = "none" if name == "target only" else args.drafter
             n, s = replay(trace, drafter, k, k if drafter != "none" else 0, tuner, costs,
                           ngram if drafter != "none" else None)
@@ -152,7 +164,8 @@ def main() -> None:
                 sums[name][key][1] += s
     cats = list(dict.fromkeys(categories)) + (["all"] if len(set(categories)) > 1 else [])
     lines = [f"`python benchmarks/adaptive_replay.py {args.pair} --drafter {args.drafter} "
-             f"--ks {args.ks} --k-max {args.k_max} --noise {args.noise}` ({len(prompts)} prompts "
+             f"--ks {args.ks} --k-max {args.k_max} --noise {args.noise}"
+             + (f" --costs {args.costs}" if args.costs else "") + f"` ({len(prompts)} prompts "
              f"x {args.max_new_tokens} tokens). Costs measured here in units of verify(1): "
              + ", ".join(f"verify({s}) {r:.2f}" for s, r in sorted(costs.verify_ratio.items()))
              + f"; draft step {costs.draft:.2f}.", "",

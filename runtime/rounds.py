@@ -242,13 +242,17 @@ def draft_budget(plan: DecodePlan, k: int, output: RowOutput, n_tokens: int,
                  limit: int) -> tuple[int, int]:
     """(k for model drafts, k for free n-gram drafts) of a round, given the tuner's k.
 
-    Hybrid drafting lets n-gram hits run to the plan's full K whatever the tuner chose for the
-    draft model: they cost no draft steps, so the tuner's cost model does not apply to them
-    (capping them at the model's best k lost most of what they gain)."""
+    Hybrid drafting lets n-gram hits run to the plan's full K whatever k > 0 the tuner chose for
+    the draft model: they cost no draft steps, so the tuner's cost model does not apply to them
+    (capping them at the model's best k lost most of what they gain). When the tuner chose
+    k = 0 it measured that verifying drafts does not pay (a quantized target on a CPU, where
+    verify(4) costs 1.5x verify(1)), and free hits stop too: they still cost that verification
+    (an int8 target lost 8% to them with the draft model off)."""
     if plan.drafter == "none":
         return 0, 0
     own = round_k(k, output, n_tokens, limit)
-    free = round_k(plan.k, output, n_tokens, limit) if plan.drafter == "hybrid" else own
+    hybrid_free = plan.drafter == "hybrid" and (k > 0 or not plan.adaptive)
+    free = round_k(plan.k, output, n_tokens, limit) if hybrid_free else own
     return own, free
 
 

@@ -104,3 +104,15 @@ def test_a_new_text_keeps_the_costs_and_discounts_the_acceptance() -> None:
         k = tuner.k
         tuner.update(k, 0, 0.4 * k, k, verify_cost(k + 1))
     assert tuner.k <= 1
+
+
+def test_hybrid_free_hits_stop_when_the_tuner_turns_drafting_off() -> None:
+    from specedge.runtime.policy import DecodePlan
+    from specedge.runtime.rounds import RowOutput, draft_budget
+
+    out = RowOutput(100, ())
+    adaptive = DecodePlan("hybrid", 5, True, 1000, 1)
+    assert draft_budget(adaptive, 2, out, 10, 1000) == (2, 5)  # free hits at the full K
+    assert draft_budget(adaptive, 0, out, 10, 1000) == (0, 0)  # drafting measured not to pay
+    fixed = DecodePlan("hybrid", 5, False, 1000, 1)
+    assert draft_budget(fixed, 5, out, 10, 1000) == (5, 5)
