@@ -75,3 +75,18 @@ def test_sampled_generation_is_reproducible(reference_pair: Pair) -> None:
     b = reference_pair.generate("Tell me a joke about computers.", cfg)
     assert a.text == b.text and a.tokens == b.tokens
     assert a.stats.proposed > 0
+
+
+def test_readme_size_table_matches_the_reference_pair(reference_pair: Pair) -> None:
+    """The README's pair-size row for the reference recipe is what the recipe writes."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    row = next(line for line in readme.splitlines()
+               if line.startswith("| reference (`smollm2-135m-reference.sh`)"))
+    shown = [float(mb) for mb in re.findall(r"([0-9.]+) MB", row)]
+    root = reference_pair.manifest.root
+    actual = [sum(f.stat().st_size for f in (root / name).rglob("*") if f.is_file()) / 1e6
+              for name in ("target", "draft")]
+    assert shown == pytest.approx(actual, abs=0.1), (shown, actual)
