@@ -394,6 +394,11 @@ def main(verbose: int) -> None:
     if not verbose:  # nor their progress bars (transformers' GGUF and weight loading)
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        # nor their warnings (torch.onnx's TracerWarning / UserWarning lines in a concat export)
+        import warnings
+
+        warnings.filterwarnings("ignore", module=r"(torch|transformers|onnx|onnxruntime|"
+                                                 r"onnxscript|onnx_ir)(\.|$)")
     if verbose:
         from specedge.runtime.backend import set_log_severity
 
