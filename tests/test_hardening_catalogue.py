@@ -549,9 +549,11 @@ def _run(case: Case, world: World, args: list[Any], monkeypatch: pytest.MonkeyPa
     import resource
 
     def limits() -> None:
-        # A terminal's child starts with SIGHUP at its default; a suite run under nohup would
-        # otherwise pass SIG_IGN on, which the CLI keeps by design (nohup'ed work survives).
+        # A terminal's child starts with SIGHUP and SIGINT at their defaults; a suite run under
+        # nohup, or as a background job of a script, would otherwise pass SIG_IGN on, which the
+        # CLI keeps by design (nohup'ed work survives).
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
         if case.fsize is not None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

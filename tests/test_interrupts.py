@@ -15,8 +15,11 @@ import pytest
 
 def _interrupt(cmd: list[str], after: float, cwd: Path,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    # As a terminal starts it: SIGINT at its default (a suite started as a background job of a
+    # script inherits SIG_IGN, and Python then never raises KeyboardInterrupt).
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})})
+                            text=True, env={**os.environ, **(env or {})},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(after)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
