@@ -239,7 +239,8 @@ def run_bench(pair: Pair, options: BenchOptions,
             s.host_ms_per_round.append(1000 * host / rounds if rounds else 0.0)
             s.mean_k.append(ks / rounds if rounds else 0.0)
     costs = measure_costs(pair)
-    return BenchReport(options, costs, settings, environment())
+    return BenchReport(options, costs, settings,
+                       {**environment(), "huge_pages": asdict(pair.huge_pages)})
 
 
 def environment() -> dict[str, Any]:

@@ -23,13 +23,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from . import hugepages
 from .errors import InputError
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
@@ -115,6 +116,7 @@ class DoctorReport:
     self_tests: tuple[SelfTest, ...]
     requested: tuple[str, ...]
     warnings: tuple[str, ...] = ()
+    huge_pages: dict[str, Any] = field(default_factory=dict)  # `hugepages.status()`
 
     @property
     def failed(self) -> tuple[SelfTest, ...]:
@@ -585,7 +587,8 @@ def diagnose(requested: Sequence[str] = ("cpu",), *, self_test: bool = True,
         onnxruntime=ort.__version__, onnxruntime_packages=packages, onnxruntime_cuda=ort_cuda,
         device=ort.get_device(), available_providers=available, gpus=tuple(gpus),
         gpu_note=note, libraries=libraries, jetson=jetson, self_tests=tuple(tests),
-        requested=tuple(dict.fromkeys(requested)), warnings=tuple(warnings))
+        requested=tuple(dict.fromkeys(requested)), warnings=tuple(warnings),
+        huge_pages=hugepages.status())
 
 
 def _main(argv: list[str]) -> int:

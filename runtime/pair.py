@@ -30,6 +30,7 @@ from .batch import BatchStats, RowRequest, decode_batch
 from .drafters import AdaptiveK, build_drafter, new_tuner
 from .engines import EngineChoice, choose_engine, machine_key
 from .errors import InputError, ModelError
+from .hugepages import HugePageLoad, HugePageReport
 from .manifest import ModelSpec, PairManifest, engine_files_ready, load_manifest
 from .policy import DRAFTER_CHOICES, DecodePlan, resolve_plan
 from .rounds import RowOutput, RowSampler
@@ -220,12 +221,14 @@ class Pair:
         self._tuner_lock = threading.Lock()
         # Why a listed TensorRT engine was not used, per model (empty when none was skipped).
         self.engine_notes: dict[str, str] = {}
+        # What loading did about huge pages for the weights (see `hugepages`).
+        self.huge_pages = HugePageReport("off")
 
     @classmethod
     def load(cls, path: str | Path, *, providers: str | Sequence[str] = "cpu",
              plan: ThreadPlan | None = None, verify_hashes: bool = True,
              load_draft: bool = True, cuda_graph: bool = False,
-             device_argmax: bool | None = None) -> Pair:
+             device_argmax: bool | None = None, huge_pages: bool | None = None) -> Pair:
         """Load a pair folder written by `specedge export`.
 
         Args:
@@ -239,6 +242,8 @@ class Pair:
                 default; see `SessionConfig.cuda_graph`).
             device_argmax: greedy argmax where the logits are (None: on for GPU providers,
                 off on the CPU; see `SessionConfig.device_argmax`).
+            huge_pages: put the CPU models' weights on transparent huge pages (None: on unless
+                ``SPECEDGE_HUGE_PAGES=0``; see `hugepages`). The outcome is `pair.huge_pages`.
 
         Raises:
             ManifestError: missing, malformed, tampered or unsafe pair folder.
@@ -271,16 +276,21 @@ class Pair:
                 f"tokens but the models only {manifest.vocab_size}; re-export the pair"
             )
         notes: dict[str, str] = {}
-        target, note = load_model(manifest, "target", plan.target, verify_hashes=verify_hashes)
-        if note:
-            notes["target"] = note
-        draft = None
-        if manifest.draft is not None and load_draft:
-            draft, note = load_model(manifest, "draft", plan.draft, verify_hashes=verify_hashes)
+        on_cpu = "cpu" in (plan.target.provider, plan.draft.provider if load_draft else "")
+        with HugePageLoad(huge_pages if on_cpu else False) as pages:
+            target, note = load_model(manifest, "target", plan.target,
+                                      verify_hashes=verify_hashes)
             if note:
-                notes["draft"] = note
+                notes["target"] = note
+            draft = None
+            if manifest.draft is not None and load_draft:
+                draft, note = load_model(manifest, "draft", plan.draft,
+                                         verify_hashes=verify_hashes)
+                if note:
+                    notes["draft"] = note
         pair = cls(manifest, tokenizer, target, draft)
         pair.engine_notes = notes
+        pair.huge_pages = pages.report
         return pair
 
     # ------------------------------------------------------------------ prompts

@@ -51,7 +51,8 @@ def print_report(report: DoctorReport) -> None:
              ("onnxruntime", f"{report.onnxruntime} ({', '.join(report.onnxruntime_packages)}; "
                              f"device {report.device})"),
              ("built for CUDA", report.onnxruntime_cuda or "– (CPU build)"),
-             ("providers in the build", ", ".join(report.available_providers))]
+             ("providers in the build", ", ".join(report.available_providers)),
+             ("huge pages for weights", report.huge_pages.get("status", "?"))]
     if report.jetson:
         j = report.jetson
         facts += [("Jetson", f"{j.model or 'unknown board'}, Jetson Linux {j.l4t or '?'}, "
