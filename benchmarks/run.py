@@ -237,12 +237,16 @@ def main() -> None:
     # of its own load onto huge pages (its default) and every other system keeps 4 KiB pages
     # unless loaded under HugePageLoad too: each appears both ways below.
     tmp = Path(tempfile.mkdtemp(prefix="specedge-bench-"))
+    manifest = json.loads((Path(args.pair) / "specedge.json").read_text())
+    has_draft = bool(manifest["models"].get("draft"))
+    facts["pair"] = {name: m["precision"] for name, m in manifest["models"].items() if m}
     folders = {
         "genai_target_best": ort_genai.make_genai_folder(args.pair, tmp / "t2", draft=False,
                                                          target_threads=2, draft_threads=None),
-        "genai_spec_best": ort_genai.make_genai_folder(args.pair, tmp / "s21", draft=True,
-                                                       target_threads=2, draft_threads=1),
     }
+    if has_draft:  # ORT GenAI speculates only with a draft model
+        folders["genai_spec_best"] = ort_genai.make_genai_folder(
+            args.pair, tmp / "s21", draft=True, target_threads=2, draft_threads=1)
     if not args.lean:
         folders["genai_target_default"] = ort_genai.make_genai_folder(
             args.pair, tmp / "td", draft=False, target_threads=None, draft_threads=None)
@@ -252,7 +256,7 @@ def main() -> None:
 
     def load_genai() -> None:
         genai.update({k: ort_genai.load(v) for k, v in folders.items()})
-        for key in ("genai_target_best", "genai_spec_best"):  # the same, weights moved
+        for key in [k for k in ("genai_target_best", "genai_spec_best") if k in folders]:
             with hugepages.HugePageLoad(True):
                 genai[key + "_huge"] = ort_genai.load(folders[key])
 
@@ -298,7 +302,8 @@ def main() -> None:
     if args.lean:
         for name in ("specedge K=2", "specedge K=3"):
             del ours_cfgs[name]
-        genai_cfgs = [genai_cfgs[0], genai_cfgs[2], genai_cfgs[5], genai_cfgs[6]]
+        genai_cfgs = [genai_cfgs[i] for i in (0, 2, 5, 6)]
+    genai_cfgs = [c for c in genai_cfgs if c[1].removesuffix("_huge") in folders]
     tally = Tally()
     # Warm-up: one generation per configuration.
     for cfg in ours_cfgs.values():
@@ -368,7 +373,7 @@ PRECISION = {"f32": "fp32", "f16": "fp16", "q8_0": "int8", "q4_0": "int4", "q4_1
 
 
 def llama_report(llama: dict[str, Any], rows: dict[str, dict[str, float]], ours_t: float,
-                 ours_best: float, best_ours: str) -> list[str]:
+                 ours_best: float, best_ours: str, ours_precision: str) -> list[str]:
     """Bullets for the bar section: llama.cpp per GGUF precision against specedge's pair."""
     info = llama["info"]
     out = [
@@ -388,12 +393,13 @@ def llama_report(llama: dict[str, Any], rows: dict[str, dict[str, float]], ours_
                 f"{rows[target]['e2e']:.1f} tok/s ({chosen['target_threads']} thr), prompt lookup "
                 f"{rows[pld]['e2e']:.1f} (K={chosen['pld_k']}, {chosen['pld_threads']} thr, "
                 f"acceptance {rows[pld]['acceptance']:.2f}); best {rows[best]['e2e']:.1f}. ")
-        if prec == "fp32":
-            line += (f"Equal precision (specedge fp32 target): target-only "
+        if prec == ours_precision:
+            line += (f"Equal precision (specedge {prec} target): target-only "
                      f"**{ours_t / rows[target]['e2e']:.2f}×**, specedge best ({best_ours}) ÷ "
                      f"llama.cpp best **{ours_best / rows[best]['e2e']:.2f}×**.")
         else:
-            line += (f"specedge's fp32-target best ÷ this: {ours_best / rows[best]['e2e']:.2f}× "
+            line += (f"specedge's {ours_precision}-target best ÷ this: "
+                     f"{ours_best / rows[best]['e2e']:.2f}× "
                      f"(not equal precision: this run has no specedge {prec} target).")
         out.append(line)
     return out
@@ -439,8 +445,9 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
         f"`{command}`.",
         f"Machine: {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
         f"Python {platform.python_version()}, Linux {platform.release()}.",
-        f"Pair: {args.pair} (SmolLM2-135M-Instruct fp32 target + int4 self-draft, both written "
-        "by ORT GenAI's own model builder, so ORT GenAI runs exactly these files).",
+        f"Pair: {args.pair} (SmolLM2-135M-Instruct, "
+        + ", ".join(f"{name} {prec}" for name, prec in facts["pair"].items())
+        + ", written by ORT GenAI's own model builder, so ORT GenAI runs exactly these files).",
         f"Prompts: {len(prompts)} from {args.prompts.name} ("
         + ", ".join(f"{c} {n}" for c, n in cats.items())
         + f"), chat template, up to {args.max_new_tokens} new tokens, batch 1.",
@@ -472,10 +479,11 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
                      f"{r['e2e'] / genai_t:.2f} | {acc} | {agree[name]}/{len(prompts)} |")
     best_ours = max((n for n in rows if n.startswith("specedge K") or "adaptive" in n),
                     key=lambda n: rows[n]["e2e"])
-    best_genai = max((n for n in rows if n.startswith("ORT GenAI K") and "default" not in n
-                      and "huge pages" not in n), key=lambda n: rows[n]["e2e"])
-    best_genai_huge = max((n for n in rows if n.startswith("ORT GenAI K") and "huge pages" in n),
-                          key=lambda n: rows[n]["e2e"])
+    genai_k = [n for n in rows if n.startswith("ORT GenAI K") and "default" not in n]
+    best_genai = max((n for n in genai_k if "huge pages" not in n),
+                     key=lambda n: rows[n]["e2e"], default=None)
+    best_genai_huge = max((n for n in genai_k if "huge pages" in n),
+                          key=lambda n: rows[n]["e2e"], default=None)
     lines += [
         "",
         "## The bar",
@@ -490,12 +498,17 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
         f"pages ({genai_huge:.1f}): **{ours_t / genai_huge:.2f}×**; specedge on 4 KiB pages "
         f"{ours_small:.1f}: {ours_small / genai_t:.2f}× ORT GenAI, and huge pages give specedge "
         f"{ours_t / ours_small:.2f}×.",
-        f"- Speculative, best of each: specedge {best_ours} {rows[best_ours]['e2e']:.1f} vs "
-        f"{best_genai} {rows[best_genai]['e2e']:.1f} tok/s: "
-        f"**{rows[best_ours]['e2e'] / rows[best_genai]['e2e']:.2f}×** (bar ≥ 1.05×); vs "
-        f"{best_genai_huge} {rows[best_genai_huge]['e2e']:.1f}: "
-        f"**{rows[best_ours]['e2e'] / rows[best_genai_huge]['e2e']:.2f}×**.",
     ]
+    if best_genai and best_genai_huge:
+        lines.append(
+            f"- Speculative, best of each: specedge {best_ours} {rows[best_ours]['e2e']:.1f} vs "
+            f"{best_genai} {rows[best_genai]['e2e']:.1f} tok/s: "
+            f"**{rows[best_ours]['e2e'] / rows[best_genai]['e2e']:.2f}×** (bar ≥ 1.05×); vs "
+            f"{best_genai_huge} {rows[best_genai_huge]['e2e']:.1f}: "
+            f"**{rows[best_ours]['e2e'] / rows[best_genai_huge]['e2e']:.2f}×**.")
+    else:
+        lines.append(f"- Speculative: specedge {best_ours} {rows[best_ours]['e2e']:.1f} tok/s; "
+                     "ORT GenAI cannot speculate without a draft model (this pair has none).")
     if hf_rows:
         hf_a = hf_rows["transformers assisted (int8 assistant)"]["e2e"]
         lines += [
@@ -506,7 +519,8 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
             f"specedge target-only {hf_rows['specedge target-only']['e2e']:.1f}.",
         ]
     if llama:
-        lines += llama_report(llama, rows, ours_t, rows[best_ours]["e2e"], best_ours)
+        lines += llama_report(llama, rows, ours_t, rows[best_ours]["e2e"], best_ours,
+                              facts["pair"]["target"])
     lines += [
         f"- Runtime process alone (fresh process: import, load, one 64-token generation): import "
         f"{facts['import_s']:.2f} s, peak RSS {facts['peak_rss_mb']:.0f} MiB, torch loaded: "
