@@ -144,8 +144,11 @@ def llama_setup(args: argparse.Namespace, ids: list[list[int]], max_new: int,
     threads = [int(t) for t in args.llama_cpp_threads.split(",")]
     ks = [int(k) for k in args.llama_cpp_ks.split(",")]
     n_ctx = max(len(p) for p in ids) + max_new + max(ks + [args.llama_cpp_draft_k]) + 64
-    worker = llama_anchor.LlamaCppWorker(log=log_path.open("w"))
-    facts: dict[str, Any] = {"info": worker.info, "ggufs": {}, "tuning": {}, "chosen": {}}
+    env = ({"GLIBC_TUNABLES": f"{hugepages.TUNABLE}=1", "SPECEDGE_LLAMA_NO_MMAP": "1"}
+           if args.llama_cpp_pages == "huge" else {})
+    worker = llama_anchor.LlamaCppWorker(log=log_path.open("w"), env=env)
+    facts: dict[str, Any] = {"info": worker.info, "ggufs": {}, "tuning": {}, "chosen": {},
+                             "pages": args.llama_cpp_pages}
     for name, path in ggufs.items():
         facts["ggufs"][name] = worker.load(name, path, n_ctx=n_ctx)
     if args.llama_cpp_draft:
@@ -212,6 +215,9 @@ def main() -> None:
                     help="add llama.cpp (llama-cpp-python in .venv-bench, GGUFs in .cache/gguf)")
     ap.add_argument("--llama-cpp-ggufs", default="f32,q8_0,q4_0,q4_1",
                     help="GGUF names from make_ggufs.py, or name=path, comma-separated")
+    ap.add_argument("--llama-cpp-pages", choices=("huge", "mmap"), default="huge",
+                    help="huge: llama.cpp reads its weights into memory on huge pages (--no-mmap "
+                         "with glibc's hugetlb tunable; faster here); mmap: its default")
     ap.add_argument("--llama-cpp-threads", default="1,2", help="thread counts to pre-measure")
     ap.add_argument("--llama-cpp-ks", default="2,3,4,5,6", help="prompt-lookup K to pre-measure")
     ap.add_argument("--llama-cpp-tune-prompts", type=int, default=3)
@@ -380,7 +386,10 @@ def llama_report(llama: dict[str, Any], rows: dict[str, dict[str, float]], ours_
         f"- llama.cpp: llama-cpp-python {info['llama_cpp_python']} built from source "
         f"(.venv-bench), system info `{info['system_info'].strip()}`. Same prompt token ids; "
         "thread count and prompt-lookup K picked per GGUF by a pre-measurement on the first "
-        "prompts (table at the end).",
+        "prompts (table at the end). Weights: "
+        + ("read into memory on huge pages (`use_mmap=False` with glibc's hugetlb tunable: "
+           "faster than its default mmap here, docs/results/hugepages.md)"
+           if llama.get("pages") == "huge" else "llama.cpp's default mmap of the file") + ".",
     ]
     for gguf, chosen in llama["chosen"].items():
         target = next(n for n in rows if n.startswith(f"llama.cpp {gguf} target-only"))
@@ -388,11 +397,16 @@ def llama_report(llama: dict[str, Any], rows: dict[str, dict[str, float]], ours_
         best = max((n for n in rows if n.startswith(f"llama.cpp {gguf} ")),
                    key=lambda n: rows[n]["e2e"])
         desc = llama["ggufs"][gguf]["desc"]
+        mem = llama["ggufs"][gguf].get("memory", {})
         prec = PRECISION.get(gguf, gguf)
         line = (f"- llama.cpp {gguf} ({desc}, weights {prec}): target-only "
                 f"{rows[target]['e2e']:.1f} tok/s ({chosen['target_threads']} thr), prompt lookup "
                 f"{rows[pld]['e2e']:.1f} (K={chosen['pld_k']}, {chosen['pld_threads']} thr, "
-                f"acceptance {rows[pld]['acceptance']:.2f}); best {rows[best]['e2e']:.1f}. ")
+                f"acceptance {rows[pld]['acceptance']:.2f}); best {rows[best]['e2e']:.1f}; "
+                f"process memory on huge pages after loading it: "
+                f"{mem.get('AnonHugePages', 0) // 1024} MiB anonymous + "
+                f"{mem.get('FilePmdMapped', 0) // 1024} MiB file of "
+                f"{mem.get('Rss', 0) // 1024} MiB. ")
         if prec == ours_precision:
             line += (f"Equal precision (specedge {prec} target): target-only "
                      f"**{ours_t / rows[target]['e2e']:.2f}×**, specedge best ({best_ours}) ÷ "
@@ -434,7 +448,8 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
                f"--hf-prompts {args.hf_prompts}" + (f" --limit {args.limit}" if args.limit else "")
                + (" --lean" if args.lean else "") + (" --genai-first" if args.genai_first else ""))
     if llama:
-        command += f" --llama-cpp --llama-cpp-ggufs {args.llama_cpp_ggufs}"
+        command += (f" --llama-cpp --llama-cpp-ggufs {args.llama_cpp_ggufs}"
+                    f" --llama-cpp-pages {args.llama_cpp_pages}")
         if args.llama_cpp_draft:
             command += (f" --llama-cpp-draft {args.llama_cpp_draft} --llama-cpp-draft-k "
                         f"{args.llama_cpp_draft_k}")

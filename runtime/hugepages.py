@@ -13,8 +13,9 @@ Two ways to get there, both here:
   ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, read once at process start; the CLI re-executes
   itself with it (free at load time).
 * `HugePageLoad`: a library caller's process did not start with it, so the memory that loading
-  the models added is advised (``MADV_HUGEPAGE``) and collapsed (``MADV_COLLAPSE``, Linux >= 6.1)
-  after the fact: a copy, about 4 s per GiB on that VM, once per load.
+  the models mapped, and the malloc heap, are advised (``MADV_HUGEPAGE``) and collapsed
+  (``MADV_COLLAPSE``, Linux >= 6.1) after the fact: a copy, 1-4 s per GiB on that VM, once per
+  load.
 
 ``SPECEDGE_HUGE_PAGES=0`` turns both off. Nothing here changes what the models compute.
 """
@@ -104,16 +105,16 @@ def reexec_env(environ: dict[str, str] | os._Environ[str] = os.environ,
 # ----------------------------------------------------------------------- after-the-fact collapse
 
 
-def anonymous_regions(maps: str) -> dict[int, int]:
-    """Start → end of the writable private anonymous mappings (and the heap) in the text of
-    /proc/self/maps: where malloc puts ONNX Runtime's weights."""
+def anonymous_regions(maps: str, *, heap_only: bool = False) -> dict[int, int]:
+    """Start → end of the writable private anonymous mappings (and the heap; only the heap with
+    `heap_only`) in the text of /proc/self/maps: where malloc puts ONNX Runtime's weights."""
     regions: dict[int, int] = {}
     for line in maps.splitlines():
         fields = line.split()
         if len(fields) < 5 or not fields[1].startswith("rw") or fields[1][3:4] != "p":
             continue
         name = fields[5] if len(fields) > 5 else ""
-        if name not in ("", "[heap]"):
+        if name not in ("", "[heap]") or (heap_only and name != "[heap]"):
             continue
         start, _, end = fields[0].partition("-")
         regions[int(start, 16)] = int(end, 16)
@@ -190,6 +191,7 @@ class HugePageLoad:
         self.enabled = not switched_off() if enabled is None else enabled
         self.report = HugePageReport("off")
         self._before: dict[int, int] | None = None
+        self._after: dict[int, int] | None = None
         self._mode = thp_mode()
 
     def _maps(self) -> dict[int, int] | None:
@@ -215,11 +217,28 @@ class HugePageLoad:
             self.report = HugePageReport("tunable")
         elif self._before is not None and (after := self._maps()) is not None:
             t0 = time.perf_counter()
-            done, error = collapse(added_ranges(self._before, after))
+            done, error = self._collapse_since(self._before, after)
             self.report = HugePageReport("collapse" if done else "unavailable", done,
                                          time.perf_counter() - t0, error)
+            self._after = after if done else None
             if error:
                 log.info("huge pages: %s (%s)", self.report.describe(), error)
+
+    @staticmethod
+    def _collapse_since(before: dict[int, int], after: dict[int, int]) -> tuple[int, str]:
+        # What was mapped since `before`, and the whole brk heap: malloc reuses the heap's free
+        # holes for weights (measured: a third of an int4 model's memory), and nothing tells
+        # which of its pages were written.
+        heap = anonymous_regions(Path("/proc/self/maps").read_text(), heap_only=True)
+        return collapse(added_ranges({k: v for k, v in before.items() if k not in heap}, after))
+
+    def settle(self) -> int:
+        """Once, after the first generation: collapse what it mapped (ONNX Runtime's arena for
+        activations, the first KV cache), measured 5% faster decoding again. Bytes collapsed."""
+        before, self._after = self._after, None
+        if before is None or (now := self._maps()) is None:
+            return 0
+        return self._collapse_since(before, now)[0]
 
 
 def status(environ: dict[str, str] | os._Environ[str] = os.environ,

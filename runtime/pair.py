@@ -223,6 +223,12 @@ class Pair:
         self.engine_notes: dict[str, str] = {}
         # What loading did about huge pages for the weights (see `hugepages`).
         self.huge_pages = HugePageReport("off")
+        self._pages: HugePageLoad | None = None  # settled after the first generation
+
+    def _settle_pages(self) -> None:
+        pages, self._pages = self._pages, None
+        if pages is not None:
+            pages.settle()
 
     @classmethod
     def load(cls, path: str | Path, *, providers: str | Sequence[str] = "cpu",
@@ -291,6 +297,7 @@ class Pair:
         pair = cls(manifest, tokenizer, target, draft)
         pair.engine_notes = notes
         pair.huge_pages = pages.report
+        pair._pages = pages
         return pair
 
     # ------------------------------------------------------------------ prompts
@@ -375,6 +382,7 @@ class Pair:
         stream keeps nothing)."""
         reason = yield from rounds
         self._keep_tuner(key, tuner)
+        self._settle_pages()
         return reason
 
     def stream_tokens(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,
@@ -482,6 +490,7 @@ class Pair:
             results.append(GenerationResult(text=row.output.text, tokens=list(row.generated),
                                             prompt_tokens=ids, stop_reason=reason,
                                             stats=row.stats))
+        self._settle_pages()
         return BatchResult(results=results, stats=totals)
 
     def info(self) -> dict[str, Any]:

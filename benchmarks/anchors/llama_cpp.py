@@ -252,6 +252,16 @@ class _Model:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
+def _huge_page_kib() -> dict[str, int]:
+    """This process's memory on huge pages (kiB): anonymous and file-backed."""
+    out = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        key = line.split(":")[0]
+        if key in ("Rss", "AnonHugePages", "FilePmdMapped"):
+            out[key] = int(line.split()[1])
+    return out
+
+
 class _Server:
     def __init__(self) -> None:
         import llama_cpp
@@ -261,8 +271,12 @@ class _Server:
 
     # ---- loading -----------------------------------------------------------------------------
     def _llama(self, m: _Model, draft_model: Any) -> Any:
+        # SPECEDGE_LLAMA_NO_MMAP=1 reads the weights into malloc memory (llama.cpp's --no-mmap)
+        # instead of mapping the file: with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 they then sit
+        # on huge pages (docs/results/hugepages.md).
         return self.lc.Llama(model_path=m.path, n_ctx=m.n_ctx, n_batch=min(m.n_ctx, 2048),
                              n_threads=2, n_threads_batch=2, draft_model=draft_model,
+                             use_mmap=os.environ.get("SPECEDGE_LLAMA_NO_MMAP") != "1",
                              verbose=False)
 
     def load(self, name: str, path: str, n_ctx: int) -> dict[str, Any]:
@@ -276,7 +290,7 @@ class _Server:
             m.facts = {"name": name, "path": path, "desc": buf.value.decode(errors="replace"),
                        "size_bytes": int(self.lc.llama_model_size(model)),
                        "n_params": int(self.lc.llama_model_n_params(model)),
-                       "file_bytes": os.path.getsize(path)}
+                       "file_bytes": os.path.getsize(path), "memory": _huge_page_kib()}
             self.models[name] = m
         return m.facts
 
