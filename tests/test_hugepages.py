@@ -73,6 +73,7 @@ def test_reexec_env_none(environ: dict[str, str], mode: str | None,
 def test_anonymous_regions_keeps_private_writable_anonymous_and_heap() -> None:
     regions = hp.anonymous_regions(MAPS)
     assert regions == {0x55d0c0000000: 0x55d0c0400000, 0x7f0000000000: 0x7f0004000000}
+    assert hp.anonymous_regions(MAPS, heap_only=True) == {0x55d0c0000000: 0x55d0c0400000}
 
 
 def test_added_ranges_new_whole_grown_from_old_end_small_dropped() -> None:
