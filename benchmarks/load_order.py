@@ -61,8 +61,7 @@ def main() -> None:
              str(args.prompts), str(args.max_new_tokens), str(HERE / "prompts.jsonl")],
             env=env, capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        label = "huge pages" if huge else "4 KiB pages"
-        print(f"| {label} ({r['pages'][0]}) | {r['A']:.1f} | {r['B']:.1f} | "
+        print(f"| {r['pages'][0]} | {r['A']:.1f} | {r['B']:.1f} | "
               f"{r['B'] / r['A']:.2f} |", flush=True)
 
 
