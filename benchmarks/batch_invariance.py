@@ -39,12 +39,10 @@ def with_accuracy_level(pair: Path, level: int, out: Path) -> Path:
     import onnx
     from onnx import helper
 
-    shutil.copytree(pair, out, ignore=shutil.ignore_patterns("*.data"))
+    shutil.copytree(pair, out)
     manifest = json.loads((pair / "specedge.json").read_text())
     target = manifest["models"]["target"]
     src = pair / target["path"]
-    for data in src.parent.glob("*.data"):
-        shutil.copyfile(data, (out / target["path"]).parent / data.name)
     model = onnx.load(str(src), load_external_data=False)
     count = 0
     for node in model.graph.node:
