@@ -234,7 +234,11 @@ def warp_probs(logits: npt.ArrayLike, params: SamplingParams) -> FloatArray:
 
     top_p = float(params.top_p)
     if top_p < 1.0:
-        p2[~_nucleus_mask(p2, top_p)] = 0.0
+        keep = _nucleus_mask(p2, top_p)
+        # The logits' argmax always stays: logits closer than exp's resolution give equal
+        # probabilities, and the nucleus would break that tie towards a lower id instead.
+        keep[np.arange(len(p2)), np.argmax(arr.reshape(-1, vocab), axis=-1)] = True
+        p2[~keep] = 0.0
         _normalize_(p2)
 
     min_p = float(params.min_p)

@@ -633,3 +633,12 @@ def test_sampling_params_defaults_and_greedy() -> None:
     params = SamplingParams(temperature=1, top_k=5, top_p=1.0, min_p=0.0, seed=0)
     assert not params.greedy
     assert params.make_rng().random() == np.random.default_rng(0).random()
+
+
+def test_top_p_keeps_the_argmax_when_logits_tie_below_exp_resolution() -> None:
+    # Found by hypothesis in CI: exp() makes these four probabilities exactly equal, and the
+    # nucleus broke the tie towards id 0 while the logits' argmax is id 3.
+    logits = np.array([[0.0, 0.0, 0.0, 1.6462122195908998e-197]])
+    probs = warp_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert probs[0, 3] > 0
+    np.testing.assert_allclose(probs.sum(), 1.0)
