@@ -2,16 +2,19 @@
 
 Speculative decoding reproduces target-only output token for token only if the target gives the
 same logits for a position whether it computes it alone (a decode step) or inside a block of K+1
-(a verification). That holds to float rounding for fp32 MatMul, but MatMulNBits at accuracy
-level 4 (int8 activations) takes different MLAS kernels for one row and for several.
+(a verification). One-row and several-row calls round differently (~1e-5 logits in fp32), and
+int8 activation quantization (MatMulNBits at accuracy level 4) amplifies that to ~0.6 logits;
+several-row calls agree bit for bit. specedge's two-row steps (`Pair.load(two_row_steps=...)`,
+on when the load-time probe finds this) run every step with at least two rows.
 
 Usage: python benchmarks/batch_invariance.py PAIR [PAIR ...] [--prompts 44] [--k 3]
-           [--accuracy-level 1]
+           [--accuracy-level 1] [--steps one,two,auto]
 
-For each pair (and, with --accuracy-level, a copy of it whose MatMulNBits nodes use that level):
-the largest logit difference between a (K+1)-token block and the same tokens one by one, and
-how many greedy generations of n-gram speculation (fixed K) equal target-only, with decode tok/s
-of both. Prints a markdown table.
+For each pair (and, with --accuracy-level, a copy of it whose MatMulNBits nodes use that level)
+and each way of running one-token steps (one row, two rows, or what the probe picks): the
+largest logit difference between a (K+1)-token block and the same tokens one by one, and how
+many greedy generations of n-gram speculation (fixed K) equal target-only, with decode tok/s of
+both. Prints a markdown table; the modes of one pair run interleaved prompt by prompt.
 """
 
 from __future__ import annotations
@@ -73,26 +76,43 @@ def block_vs_steps(pair: Pair, ids: list[int], k: int) -> float:
     return float(np.abs(whole - steps).max())
 
 
-def check(pair_dir: Path, prompts: list[str], k: int, max_new: int) -> dict[str, float]:
-    pair = Pair.load(pair_dir, load_draft=False, verify_hashes=False)
-    ids = [pair.encode_prompt(p, chat=True) for p in prompts]
+STEPS = {"one": False, "two": True, "auto": None}
+
+
+def check(pair_dir: Path, modes: list[str], prompts: list[str], k: int, max_new: int
+          ) -> dict[str, dict[str, float]]:
+    """Per mode: exact count, logit differences and tok/s; the modes take turns per prompt
+    (the same pair loaded once per mode), so drift on this machine hits them alike."""
+    pairs = {m: Pair.load(pair_dir, load_draft=False, verify_hashes=False,
+                          two_row_steps=STEPS[m]) for m in modes}
+    any_pair = next(iter(pairs.values()))
+    ids = [any_pair.encode_prompt(p, chat=True) for p in prompts]
     base = GenerationConfig(max_new_tokens=max_new, drafter="none")
     spec = GenerationConfig(max_new_tokens=max_new, drafter="ngram", num_draft_tokens=k,
                             adaptive=False)
-    pair.generate_ids(ids[0], base)
-    same, diffs = 0, []
-    t_base = t_spec = 0.0
-    n_base = n_spec = 0
+    acc = {m: {"same": 0, "t_base": 0.0, "n_base": 0, "t_spec": 0.0, "n_spec": 0, "diffs": []}
+           for m in modes}
+    for pair in pairs.values():
+        pair.generate_ids(ids[0], base)
     for prompt in ids:
-        a, _, sa = pair.generate_ids(prompt, base)
-        b, _, sb = pair.generate_ids(prompt, spec)
-        same += a == b
-        t_base, n_base = t_base + sa.decode_s, n_base + sa.new_tokens
-        t_spec, n_spec = t_spec + sb.decode_s, n_spec + sb.new_tokens
-        diffs.append(block_vs_steps(pair, prompt + a[:16], k))
-    return {"same": same, "n": len(ids), "max_diff": max(diffs),
-            "median_diff": float(np.median(diffs)), "base": n_base / t_base,
-            "spec": n_spec / t_spec}
+        for m, pair in pairs.items():
+            r = acc[m]
+            a, _, sa = pair.generate_ids(prompt, base)
+            b, _, sb = pair.generate_ids(prompt, spec)
+            r["same"] += a == b
+            r["t_base"] += sa.decode_s
+            r["n_base"] += sa.new_tokens
+            r["t_spec"] += sb.decode_s
+            r["n_spec"] += sb.new_tokens
+            r["diffs"].append(block_vs_steps(pair, prompt + a[:16], k))
+    out = {}
+    for m, pair in pairs.items():
+        r = acc[m]
+        out[f"{m}: {pair.target.steps_note()}"] = {
+            "same": r["same"], "n": len(ids), "max_diff": max(r["diffs"]),
+            "median_diff": float(np.median(r["diffs"])), "base": r["n_base"] / r["t_base"],
+            "spec": r["n_spec"] / r["t_spec"]}
+    return out
 
 
 def main() -> None:
@@ -102,7 +122,13 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--accuracy-level", type=int, default=None)
+    ap.add_argument("--steps", default="auto",
+                    help="comma-separated: one (one-row steps), two (two-row steps), auto "
+                         "(what the load-time probe picks)")
     args = ap.parse_args()
+    modes = args.steps.split(",")
+    if not modes or any(m not in STEPS for m in modes):
+        ap.error("--steps takes one, two or auto, comma-separated")
     prompts = [json.loads(line)["prompt"] for line in (HERE / "prompts.jsonl").read_text()
                .splitlines() if line.strip()][: args.prompts]
     tmp = Path(tempfile.mkdtemp(prefix="specedge-invariance-"))
@@ -116,13 +142,13 @@ def main() -> None:
                          f"{args.accuracy_level})", copy))
     print(f"# batch invariance, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
           f"{args.prompts} prompts x {args.max_new_tokens} tokens, n-gram K={args.k}")
-    print(f"| target | n-gram K={args.k} greedy == target-only | max / median logit diff, block "
-          f"of {args.k + 1} vs steps | target-only tok/s | n-gram tok/s |")
-    print("|---|---|---|---|---|")
+    print(f"| target | steps | n-gram K={args.k} greedy == target-only | max / median logit "
+          f"diff, block of {args.k + 1} vs steps | target-only tok/s | n-gram tok/s |")
+    print("|---|---|---|---|---|---|")
     for label, path in runs:
-        r = check(path, prompts, args.k, args.max_new_tokens)
-        print(f"| {label} | {r['same']}/{r['n']} | {r['max_diff']:.2e} / {r['median_diff']:.2e} "
-              f"| {r['base']:.1f} | {r['spec']:.1f} |", flush=True)
+        for mode, r in check(path, modes, prompts, args.k, args.max_new_tokens).items():
+            print(f"| {label} | {mode} | {r['same']}/{r['n']} | {r['max_diff']:.2e} / "
+                  f"{r['median_diff']:.2e} | {r['base']:.1f} | {r['spec']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,14 @@ ONNX protobuf names are read from it (`external_data_files`) and must be files t
 (hence confined and hashed); the declared shapes (KV heads, head size, logits width, a reduced
 vocabulary's size) must match what the graph holds, and a KV cache is allocated only if it fits
 the memory available.
+
+A speculative target must compute a position the same way alone (a decode step) and inside a
+verification block, or speculation is not the target's decoding. Some kernels are not:
+`MatMulNBits` at accuracy level 4 (int4 / int8 weights, int8 activations) takes a different MLAS
+path for one row than for several, about one logit apart, while all several-row calls agree bit
+for bit. `OrtModel.probe_rows` measures this at load; a model with `two_row_steps` never runs a
+single row: a one-token step re-feeds the previous token beside it (its keys and values come out
+bit-identical) and keeps the second row's logits.
 """
 
 from __future__ import annotations
@@ -400,6 +408,45 @@ def _allocate_kv(model: OrtModel, batch: int, max_len: int
     return host, values
 
 
+ROW_TOLERANCE = 1e-3  # logit differences under this x the logits' scale are rounding
+
+
+@dataclass(frozen=True)
+class RowProbe:
+    """How a model's logits for one position depend on how many rows the call had.
+
+    Attributes:
+        single: the largest |logit| difference between a one-token step and the same position
+            computed as the second row of a two-token block.
+        block: the same between a two-token and a three-token block (several-row calls).
+        scale: the largest |logit| there (differences are judged relative to it).
+    """
+
+    single: float
+    block: float
+    scale: float
+
+    @property
+    def blocks_agree(self) -> bool:
+        """Several-row calls give the same logits (to rounding) whatever their width."""
+        return self.block <= ROW_TOLERANCE * self.scale
+
+    @property
+    def needs_two_rows(self) -> bool:
+        """One-row calls differ beyond rounding and several-row calls agree: running every
+        step with at least two rows makes decoding and verification the same computation."""
+        return self.single > ROW_TOLERANCE * self.scale and self.blocks_agree
+
+    def describe(self) -> str:
+        if self.needs_two_rows:
+            return (f"steps run as two rows (a one-row step differs by {self.single:.2g} "
+                    f"logits from a block; blocks agree to {self.block:.1g})")
+        if not self.blocks_agree:
+            return (f"not batch-invariant: blocks of 2 and 3 rows differ by {self.block:.2g} "
+                    "logits, so greedy speculation can differ from target-only")
+        return f"batch-invariant (one row vs a block: {self.single:.1g} logits)"
+
+
 class KVCache:
     """Preallocated KV buffers of one model for one generation, with a valid length per row.
 
@@ -417,6 +464,8 @@ class KVCache:
             raise InputError(f"cache length {max_len} outside [1, {spec.max_seq_len}]")
         self.model, self.batch, self.max_len = model, batch, max_len
         self.lengths = np.zeros(batch, dtype=np.int64)
+        # The token fed at each position (a one-token step of a two-row model re-feeds one).
+        self.fed = np.zeros((batch, max_len), dtype=np.int64)
         self.host: list[np.ndarray] = []
         self.values: list[ort.OrtValue] = []
         self._fixed: FixedBuffers | None = None
@@ -603,6 +652,9 @@ class OrtModel:
         self.head = (GreedyHead(config, spec.logits_dtype, self.logits_size)
                      if config.argmax_on_device else None)
         self.calls = 0
+        # Run one-token steps as two rows (see `probe_rows`); set by whoever loads the model.
+        self.two_row_steps = False
+        self.row_probe: RowProbe | None = None
 
     def _check_external_data(self, root: Path) -> None:
         """Refuse a model whose tensors read external data from a file the manifest does not
@@ -716,6 +768,35 @@ class OrtModel:
             ) from None
         return width
 
+    def probe_rows(self) -> RowProbe | None:
+        """Compute one position alone, as the second row of a two-token block and as the third
+        of a three-token one (fresh caches, plain runs, five arbitrary tokens) and compare its
+        logits; None when the model's context is shorter than five tokens."""
+        if self.spec.max_seq_len < 5:
+            return None
+        ids = (np.arange(5, dtype=np.int64) * 7919 + 11) % self.spec.vocab_size
+
+        def last(split: int) -> np.ndarray:
+            cache = KVCache(self, 1, 5, fixed=False)
+            self.forward(cache, ids[None, :split])
+            return self.forward(cache, ids[None, split:])[0, -1].astype(np.float64)
+
+        on, self.two_row_steps = self.two_row_steps, False
+        try:
+            alone, two, three = last(4), last(3), last(2)
+        finally:
+            self.two_row_steps = on
+        return RowProbe(single=float(np.abs(alone - two).max()),
+                        block=float(np.abs(two - three).max()),
+                        scale=float(np.abs(two).max()))
+
+    def steps_note(self) -> str:
+        """How this model's one-token steps run, and why (for bench and logs)."""
+        if self.row_probe is not None:
+            return self.row_probe.describe()
+        return ("steps run as two rows (asked for)" if self.two_row_steps
+                else "steps run as one row (not probed)")
+
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         """A cache for `batch` rows of up to `max_len` tokens (at least `min_cache_len`).
 
@@ -748,9 +829,13 @@ class OrtModel:
             InputError: the cache would overflow its length.
             ModelError: the model produced NaN or inf logits.
         """
-        logits = _host(self._step(cache, tokens))
+        raw, skip = self._step(cache, tokens)
+        logits = _host(raw)
         if logits is cache._logits.get(logits.shape):
-            logits = logits.copy()  # the cache's own buffer, which the next call overwrites
+            # The cache's own buffer, which the next call overwrites.
+            logits = logits[:, skip:].copy()
+        elif skip:
+            logits = logits[:, skip:]
         if not math.isfinite(float(logits.sum(dtype=np.float64))):
             raise self._not_finite()
         return logits
@@ -768,10 +853,11 @@ class OrtModel:
         if self.head is None:
             logits = self.forward(cache, tokens)
             return np.argmax(logits[:, -1:] if last else logits, axis=-1).astype(np.int64)
-        ids, sums, _ = self.head.run(_value(self._step(cache, tokens)), _NO_ROWS)
+        raw, skip = self._step(cache, tokens)
+        ids, sums, _ = self.head.run(_value(raw), _NO_ROWS)
         if not np.isfinite(sums).all():
             raise self._not_finite()
-        return ids[:, -1:] if last else ids
+        return ids[:, -1:] if last else ids[:, skip:]
 
     def _not_finite(self) -> ModelError:
         return ModelError(
@@ -779,10 +865,12 @@ class OrtModel:
             "precision (fp16 overflow?) and re-export or re-quantize it"
         )
 
-    def _step(self, cache: KVCache, tokens: np.ndarray) -> ort.OrtValue | np.ndarray:
-        """Run `tokens` after each row's cached prefix; the logits where the run left them (an
-        OrtValue on the model's device, or a host array; either may be reused by the next
-        call on `cache`)."""
+    def _step(self, cache: KVCache, tokens: np.ndarray
+              ) -> tuple[ort.OrtValue | np.ndarray, int]:
+        """Run `tokens` after each row's cached prefix. Returns the logits where the run left
+        them (an OrtValue on the model's device, or a host array; either may be reused by the
+        next call on `cache`) and how many leading positions of them are not the caller's: 1
+        when a one-token step ran as two rows (`two_row_steps`), else 0."""
         batch, new = tokens.shape
         lengths = cache.lengths
         total = int(lengths.max()) + new
@@ -790,6 +878,14 @@ class OrtModel:
             raise InputError(
                 f"{self.name} model: {total} tokens exceed the context of {cache.max_len}"
             )
+        skip = 0
+        if self.two_row_steps and batch * new == 1 and lengths[0] > 0:
+            # Re-feed the previous token: its keys and values come out as they were written
+            # (by a call of two or more rows), and the step runs the several-row kernels.
+            skip, new = 1, 2
+            tokens = np.asarray([[cache.fed[0, lengths[0] - 1], tokens[0, 0]]], np.int64)
+            lengths = lengths - 1
+            cache.lengths = lengths
         if batch == 1 or (lengths == lengths[0]).all():
             mask = np.ones((batch, total), dtype=np.int64)
         else:
@@ -800,14 +896,17 @@ class OrtModel:
             else:
                 logits = self._run_concat(cache, tokens, mask)
         except Exception as exc:  # onnxruntime raises its own exception types
+            cache.lengths = lengths + skip
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ModelError(
                 f"the {self.name} model ({self.spec.path}) failed to run ({first[:300]}); "
                 "the pair may not match this specedge version: re-export it"
             ) from None
+        np.put_along_axis(cache.fed, lengths[:, None] + np.arange(new)[None, :],
+                          np.asarray(tokens, np.int64), axis=1)
         cache.lengths = lengths + new
         self.calls += 1
-        return logits
+        return logits, skip
 
     def forward_rows(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
                      new_lens: np.ndarray) -> np.ndarray:
@@ -822,11 +921,11 @@ class OrtModel:
         Returns:
             logits `[len(rows), tokens.shape[1], vocab]`; entries past `new_lens[i]` are padding.
         """
-        logits, valid = self._rows_step(cache, rows, tokens, new_lens)
+        logits, valid, skip = self._rows_step(cache, rows, tokens, new_lens)
         out = _host(logits)
         if not math.isfinite(float(out[valid].sum(dtype=np.float64))):
             raise self._not_finite()
-        return out
+        return out[:, skip:] if skip else out
 
     def forward_rows_greedy(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
                             new_lens: np.ndarray, greedy: np.ndarray, *, last: bool = False
@@ -845,9 +944,11 @@ class OrtModel:
         """
         greedy = np.asarray(greedy, dtype=bool)
         new_lens = np.asarray(new_lens, dtype=np.int64)
-        logits, valid = self._rows_step(cache, rows, tokens, new_lens)
+        logits, valid, skip = self._rows_step(cache, rows, tokens, new_lens)
+        valid = valid[:, skip:]
         if self.head is not None:
             ids, sums, kept = self.head.run(_value(logits), np.flatnonzero(~greedy))
+            ids, sums, kept = ids[:, skip:], sums[:, skip:], kept[:, skip:]
             if not np.isfinite(sums[valid]).all():
                 raise self._not_finite()
             if last:
@@ -855,7 +956,7 @@ class OrtModel:
             else:
                 ids[~valid] = -1
         else:
-            host = _host(logits)
+            host = _host(logits)[:, skip:]
             if not math.isfinite(float(host[valid].sum(dtype=np.float64))):
                 raise self._not_finite()
             # Row by row over the fed positions only (views: no copy of the logits); with
@@ -872,9 +973,10 @@ class OrtModel:
         return ids, kept
 
     def _rows_step(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
-                   new_lens: np.ndarray) -> tuple[ort.OrtValue | np.ndarray, np.ndarray]:
+                   new_lens: np.ndarray) -> tuple[ort.OrtValue | np.ndarray, np.ndarray, int]:
         """The run of `forward_rows`: the logits where the run left them (device OrtValue, or
-        host array) and which positions were fed `[len(rows), width]` bool."""
+        host array), which positions were fed `[len(rows), width]` bool, and how many leading
+        positions are not the caller's (1 when a one-token step ran as two rows, as `_step`)."""
         if self.spec.graph != "concat":
             raise InputError(
                 f"{self.spec.path}: batched speculative decoding needs a concat-form graph (ONNX "
@@ -884,6 +986,11 @@ class OrtModel:
         new_lens = np.asarray(new_lens, dtype=np.int64)
         count, width = tokens.shape
         lengths = cache.lengths[rows]
+        skip = 0
+        if self.two_row_steps and count * width == 1 and new_lens[0] == 1 and lengths[0] > 0:
+            skip, width = 1, 2  # as in `_step`: re-feed the row's previous token
+            tokens = np.asarray([[cache.fed[rows[0], lengths[0] - 1], tokens[0, 0]]], np.int64)
+            lengths, new_lens = lengths - 1, new_lens + 1
         past = int(lengths.max())
         total = past + width  # the padded attention span; only each row's own tokens are kept
         if int((lengths + new_lens).max()) > cache.max_len:
@@ -912,9 +1019,11 @@ class OrtModel:
             for i, row in enumerate(rows):
                 start, n = lengths[i], new_lens[i]
                 buf[row, :, start:start + n] = present[i, :, past:past + n]
+        for i, row in enumerate(rows):
+            cache.fed[row, lengths[i]:lengths[i] + new_lens[i]] = tokens[i, :new_lens[i]]
         cache.lengths[rows] = lengths + new_lens
         self.calls += 1
-        return logits, np.arange(width)[None, :] < new_lens[:, None]
+        return logits, np.arange(width)[None, :] < new_lens[:, None], skip
 
     def _run_rows(self, feeds: dict[str, Any]
                   ) -> tuple[ort.OrtValue | np.ndarray, list[np.ndarray]]:

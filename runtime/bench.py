@@ -240,7 +240,10 @@ def run_bench(pair: Pair, options: BenchOptions,
             s.mean_k.append(ks / rounds if rounds else 0.0)
     costs = measure_costs(pair)
     return BenchReport(options, costs, settings,
-                       {**environment(), "huge_pages": asdict(pair.huge_pages)})
+                       {**environment(), "huge_pages": asdict(pair.huge_pages),
+                        "target_steps": {"two_rows": pair.target.two_row_steps,
+                                         "probe": (asdict(pair.target.row_probe)
+                                                   if pair.target.row_probe else None)}})
 
 
 def environment() -> dict[str, Any]:

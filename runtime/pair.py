@@ -234,7 +234,8 @@ class Pair:
     def load(cls, path: str | Path, *, providers: str | Sequence[str] = "cpu",
              plan: ThreadPlan | None = None, verify_hashes: bool = True,
              load_draft: bool = True, cuda_graph: bool = False,
-             device_argmax: bool | None = None, huge_pages: bool | None = None) -> Pair:
+             device_argmax: bool | None = None, huge_pages: bool | None = None,
+             two_row_steps: bool | None = None) -> Pair:
         """Load a pair folder written by `specedge export`.
 
         Args:
@@ -250,6 +251,12 @@ class Pair:
                 off on the CPU; see `SessionConfig.device_argmax`).
             huge_pages: put the CPU models' weights on transparent huge pages (None: on unless
                 ``SPECEDGE_HUGE_PAGES=0``; see `hugepages`). The outcome is `pair.huge_pages`.
+            two_row_steps: run the target's one-token steps as two rows, so that a decode step
+                and a verification block compute a position with the same kernels and
+                speculative output is target-only output token for token (None: when
+                `OrtModel.probe_rows` finds the target's one-row kernels differ beyond rounding
+                and its block kernels agree, e.g. MatMulNBits at accuracy level 4). The probe
+                is `pair.target.row_probe`.
 
         Raises:
             ManifestError: missing, malformed, tampered or unsafe pair folder.
@@ -294,6 +301,12 @@ class Pair:
                                          verify_hashes=verify_hashes)
                 if note:
                     notes["draft"] = note
+        if two_row_steps is None:
+            target.row_probe = probe = target.probe_rows()
+            if probe is not None:
+                (log.info if probe.blocks_agree else log.warning)("target: %s", probe.describe())
+            two_row_steps = probe is not None and probe.needs_two_rows
+        target.two_row_steps = two_row_steps
         pair = cls(manifest, tokenizer, target, draft)
         pair.engine_notes = notes
         pair.huge_pages = pages.report

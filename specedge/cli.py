@@ -932,6 +932,7 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
         print_table(_new_table("speed-up over target only, by prompt category", headers, rows))
     c = report.costs
     click.echo(f"weights: {loaded.huge_pages.describe()}")
+    click.echo(f"target: {loaded.target.steps_note()}")
     click.echo(f"target call: {1000 * c.target[1]:.2f} ms for 1 token at a past of "
                f"{c.past_len}; draft step: "
                + (f"{1000 * c.draft_step:.2f} ms ({c.draft_step / c.target[1]:.2f} of the "

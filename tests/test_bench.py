@@ -68,6 +68,9 @@ def test_bench_cli(tiny_pair_dir: Path, tmp_path: Path) -> None:
                                        "--max-new-tokens", "8", "--plain", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "target only" in result.output and json.loads(out.read_text())["rows"]
+    assert "target: batch-invariant" in result.output  # the tiny fp32 target's row probe
+    steps = json.loads(out.read_text())["environment"]["target_steps"]
+    assert steps["two_rows"] is False and steps["probe"]["block"] == 0.0
     bad = CliRunner().invoke(main, ["bench", str(tiny_pair_dir), "--ks", "0"])
     assert bad.exit_code != 0 and "1..64" in bad.output + (bad.stderr or "")
 
