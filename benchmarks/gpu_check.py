@@ -349,6 +349,11 @@ def check(plan: Plan) -> None:
         write_part(plan, "check", result)
         return
     pair = Pair.load(info.folder, providers=plan.provider)
+    # Does this provider compute a position alike in a decode step and a verification block?
+    result["target_steps"] = pair.target.steps_note()
+    result["row_probe"] = (dataclasses.asdict(pair.target.row_probe)
+                           if pair.target.row_probe else None)
+    print(f"check: target {result['target_steps']}")
     ids = prompt_ids(info, plan.check_prompts)
     base = GenerationConfig(max_new_tokens=plan.check_new, drafter="none")
     configs = {"K=3": GenerationConfig(max_new_tokens=plan.check_new, drafter="model",

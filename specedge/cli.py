@@ -221,6 +221,7 @@ class LoadOptions:
     no_verify: bool = False
     cuda_graph: bool = False
     argmax: str = "auto"
+    row_steps: str = "auto"
 
     def load(self, pair: Path) -> Pair:
         """Load `pair` with these providers and threads.
@@ -253,7 +254,8 @@ class LoadOptions:
             plan = plan_threads(target_p, draft_p, nums[0], nums[-1])
         return Pair.load(pair, providers=(target_p, draft_p), plan=plan,
                          verify_hashes=not self.no_verify, cuda_graph=self.cuda_graph,
-                         device_argmax={"auto": None, "device": True, "host": False}[self.argmax])
+                         device_argmax={"auto": None, "device": True, "host": False}[self.argmax],
+                         two_row_steps={"auto": None, "two": True, "one": False}[self.row_steps])
 
 
 load_options = _collect("load", LoadOptions, [
@@ -267,6 +269,12 @@ load_options = _collect("load", LoadOptions, [
                  type=click.Choice(["auto", "device", "host"]),
                  help="Where greedy verification takes the argmax: auto = on the device for "
                       "GPU providers, on the host for cpu."),
+    click.option("--row-steps", default="auto", show_default=True,
+                 type=click.Choice(["auto", "two", "one"]),
+                 help="How the target runs one-token steps: two = beside the previous token, "
+                      "so they compute like verification blocks and speculation is exactly "
+                      "target-only decoding; auto = two when a load-time probe finds one-row "
+                      "calls compute differently (int4/int8 targets); one = fastest, inexact."),
 ])
 
 
