@@ -537,7 +537,7 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
     ]
     if best_genai and best_genai_huge:
         lines.append(
-            f"- Speculative, best of each: specedge {best_ours} {rows[best_ours]['e2e']:.1f} vs "
+            f"- Speculative, best of each: {best_ours} {rows[best_ours]['e2e']:.1f} vs "
             f"{best_genai} {rows[best_genai]['e2e']:.1f} tok/s: "
             f"**{rows[best_ours]['e2e'] / rows[best_genai]['e2e']:.2f}×** (bar ≥ 1.05×); vs "
             f"{best_genai_huge} {rows[best_genai_huge]['e2e']:.1f}: "
