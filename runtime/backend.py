@@ -771,19 +771,26 @@ class OrtModel:
     def probe_rows(self) -> RowProbe | None:
         """Compute one position alone, as the second row of a two-token block and as the third
         of a three-token one (fresh caches, plain runs, five arbitrary tokens) and compare its
-        logits; None when the model's context is shorter than five tokens."""
-        if self.spec.max_seq_len < 5:
+        logits; None when the model's context is shorter than five tokens, or when it cannot run
+        them (NaN logits, say: its first generation then reports why)."""
+        spec = self.spec
+        if spec.max_seq_len < 5:
             return None
-        ids = (np.arange(5, dtype=np.int64) * 7919 + 11) % self.spec.vocab_size
+        ids = (np.arange(5, dtype=np.int64) * 7919 + 11) % spec.vocab_size
+        # At least the cache a generation gets (a sliding-window model refuses a shorter one).
+        length = min(spec.max_seq_len, max(5, spec.min_cache_len))
 
         def last(split: int) -> np.ndarray:
-            cache = KVCache(self, 1, 5, fixed=False)
+            cache = KVCache(self, 1, length, fixed=False)
             self.forward(cache, ids[None, :split])
             return self.forward(cache, ids[None, split:])[0, -1].astype(np.float64)
 
         on, self.two_row_steps = self.two_row_steps, False
         try:
             alone, two, three = last(4), last(3), last(2)
+        except ModelError as exc:
+            log.debug("row probe of the %s model skipped: %s", self.name, exc)
+            return None
         finally:
             self.two_row_steps = on
         return RowProbe(single=float(np.abs(alone - two).max()),
