@@ -365,6 +365,8 @@ def accept_greedy_ids(draft_tokens: npt.ArrayLike, target_ids: npt.ArrayLike) ->
     k = drafts.shape[0]
     if best.shape != (k + 1,):
         raise InputError(f"target_ids must have shape [k + 1] = [{k + 1}], got {best.shape}")
+    if k == 0:  # a plain decode step
+        return best[:1].copy()
     mismatch = np.flatnonzero(drafts != best[:k])
     accepted = int(mismatch[0]) if mismatch.size else k
     out: IntArray = best[: accepted + 1].copy()
