@@ -1010,9 +1010,12 @@ class OrtModel:
         count, width = tokens.shape
         lengths = cache.lengths[rows]
         skip = 0
-        if self.two_row_steps and count * width == 1 and new_lens[0] == 1 and lengths[0] > 0:
-            skip, width = 1, 2  # as in `_step`: re-feed the row's previous token
-            tokens = np.asarray([[cache.fed[rows[0], lengths[0] - 1], tokens[0, 0]]], np.int64)
+        if self.two_row_steps and width == 1 and (new_lens == 1).all() and (lengths > 0).all():
+            # As in `_step`: every row re-feeds its previous token, so neither the matrix
+            # products (one row in all) nor the attention (one new token per row) run a
+            # one-row path that the verification blocks never take.
+            skip, width = 1, 2
+            tokens = np.concatenate([cache.fed[rows, lengths - 1][:, None], tokens], axis=1)
             lengths, new_lens = lengths - 1, new_lens + 1
         past = int(lengths.max())
         total = past + width  # the padded attention span; only each row's own tokens are kept

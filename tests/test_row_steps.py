@@ -109,6 +109,24 @@ def test_two_row_ragged_steps_equal_block_logits(fixtures_dir: Path) -> None:
 
     block = run([BLOCK])
     assert np.array_equal(run([1] * BLOCK), block)
+    # Two rows of different lengths, one token each: both widen (the attention of each row
+    # then never takes its one-new-token path either). The longest row has no attention-mask
+    # holes and matches bit for bit; the shorter one's holes move from call to call, which
+    # changes the softmax's reduction length: rounding only.
+    other = [9, 8, 7, 6, 5, 4, 3]
+    both = np.asarray([0, 1])
+    blocks, steps = t.new_cache(2, 32), t.new_cache(2, 32)
+    head = np.asarray([other[:-BLOCK] + [0] * (len(IDS) - len(other)), IDS[:-BLOCK]])
+    for cache in (blocks, steps):
+        t.forward_rows(cache, both, head, np.asarray([len(other) - BLOCK, len(IDS) - BLOCK]))
+    whole = t.forward_rows(blocks, both, np.asarray([other[-BLOCK:], IDS[-BLOCK:]]),
+                           np.asarray([BLOCK, BLOCK]))
+    one = np.concatenate([t.forward_rows(steps, both, np.asarray([[other[i - BLOCK]],
+                                                                   [IDS[i - BLOCK]]]),
+                                         np.asarray([1, 1])) for i in range(BLOCK)], axis=1)
+    assert (steps.lengths == [len(other), len(IDS)]).all()
+    assert np.array_equal(one[1], whole[1]) and np.abs(one[0] - whole[0]).max() < 1e-4
+    assert np.array_equal(whole[1], block)
     cache = t.new_cache(2, 32)
     t.forward_rows(cache, rows, np.asarray([IDS[:-1]]), np.asarray([len(IDS) - 1]))
     ids, kept = t.forward_rows_greedy(cache, rows, np.asarray([IDS[-1:]]), np.asarray([1]),
