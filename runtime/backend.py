@@ -25,11 +25,9 @@ vocabulary's size) must match what the graph holds, and a KV cache is allocated 
 the memory available.
 
 A speculative target must compute a position the same way alone (a decode step) and inside a
-verification block, or speculation is not the target's decoding. Some kernels are not:
-`MatMulNBits` at accuracy level 4 (int4 / int8 weights, int8 activations) takes a different MLAS
-path for one row than for several, about one logit apart, while all several-row calls agree bit
-for bit. `OrtModel.probe_rows` measures this at load; a model with `two_row_steps` never runs a
-single row: a one-token step re-feeds the previous token beside it (its keys and values come out
+verification block, or speculation is not the target's decoding (see `rowprobe`).
+`OrtModel.probe_rows` measures it at load; a model with `two_row_steps` never runs a one-token
+call: a one-token step re-feeds the previous token beside it (its keys and values come out
 bit-identical) and keeps the second row's logits.
 """
 
@@ -50,6 +48,7 @@ import onnxruntime as ort
 
 from .errors import InputError, ManifestError, ModelError
 from .manifest import MANIFEST_NAME, ModelSpec, confine
+from .rowprobe import RowProbe
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -406,45 +405,6 @@ def _allocate_kv(model: OrtModel, batch: int, max_len: int
             "rows), or free memory"
         ) from None
     return host, values
-
-
-ROW_TOLERANCE = 1e-3  # logit differences under this x the logits' scale are rounding
-
-
-@dataclass(frozen=True)
-class RowProbe:
-    """How a model's logits for one position depend on how many rows the call had.
-
-    Attributes:
-        single: the largest |logit| difference between a one-token step and the same position
-            computed as the second row of a two-token block.
-        block: the same between a two-token and a three-token block (several-row calls).
-        scale: the largest |logit| there (differences are judged relative to it).
-    """
-
-    single: float
-    block: float
-    scale: float
-
-    @property
-    def blocks_agree(self) -> bool:
-        """Several-row calls give the same logits (to rounding) whatever their width."""
-        return self.block <= ROW_TOLERANCE * self.scale
-
-    @property
-    def needs_two_rows(self) -> bool:
-        """One-row calls differ beyond rounding and several-row calls agree: running every
-        step with at least two rows makes decoding and verification the same computation."""
-        return self.single > ROW_TOLERANCE * self.scale and self.blocks_agree
-
-    def describe(self) -> str:
-        if self.needs_two_rows:
-            return (f"steps run as two rows (a one-row step differs by {self.single:.2g} "
-                    f"logits from a block; blocks agree to {self.block:.1g})")
-        if not self.blocks_agree:
-            return (f"not batch-invariant: blocks of 2 and 3 rows differ by {self.block:.2g} "
-                    "logits, so greedy speculation can differ from target-only")
-        return f"batch-invariant (one row vs a block: {self.single:.1g} logits)"
 
 
 class KVCache:

@@ -221,7 +221,8 @@ def warp_probs(logits: npt.ArrayLike, params: SamplingParams) -> FloatArray:
     p2 = np.subtract(arr, row_max, dtype=np.float64).reshape(-1, vocab)
     temperature = float(params.temperature)
     if temperature != 1.0:
-        p2 /= temperature
+        with np.errstate(over="ignore"):  # -inf for a tiny temperature: exp() makes it 0
+            p2 /= temperature
     k = int(params.top_k)
     dropped = None
     if 0 < k < vocab:

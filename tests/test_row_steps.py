@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specedge.runtime.backend import OrtModel, RowProbe
+from specedge.runtime.backend import OrtModel
 from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
+from specedge.runtime.rowprobe import RowProbe
 from specedge.runtime.sampling import SamplingParams
 
 IDS = [5, 17, 42, 99, 3, 250, 77, 8, 140, 61, 23]
