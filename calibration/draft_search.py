@@ -112,7 +112,7 @@ def _vocab_candidate(base: Path, dst: Path, keep: np.ndarray) -> None:
     draft_head.restrict_lm_head(base / manifest.draft.path, dst / "draft" / "model.onnx", keep)
     np.save(dst / "draft" / "vocab_ids.npy", keep.astype(np.int64), allow_pickle=False)
     files = {str(p.relative_to(dst)): sha256_file(p) for p in sorted((dst / "draft").iterdir())}
-    draft = replace(manifest.draft, files=files, vocab_ids="draft/vocab_ids.npy",
+    draft = replace(manifest.draft, files=files, vocab_ids="draft/vocab_ids.npy", head=None,
                     validation={**manifest.draft.validation, "vocab_subset": int(len(keep))})
     write_manifest(replace(manifest, root=dst, draft=draft), dst)
 
@@ -140,7 +140,7 @@ def _self_draft_candidate(base: Path, dst: Path, method: str) -> float | None:
         "method": method, "block_size": settings.block_size, "symmetric": settings.symmetric,
         "accuracy_level": settings.accuracy_level}}
     draft = replace(manifest.target, files=files, path="draft/model.onnx",
-                    precision=settings.precision, source=source,
+                    precision=settings.precision, source=source, head=None,
                     validation={"self_draft_of": "target", "method": method})
     write_manifest(replace(manifest, root=dst, draft=draft), dst)
     return peak

@@ -103,7 +103,7 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
         run_isolated(opts.settings, opts.pair / spec.path, folder / "model.onnx", feeds, tmp)
         seconds = time.perf_counter() - start
         files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(folder.iterdir())}
-        new_spec = replace(spec, files=files, precision=opts.settings.precision,
+        new_spec = replace(spec, files=files, precision=opts.settings.precision, head=None,
                            source={**spec.source, "quantization": {
                                "method": opts.method, "block_size": opts.block_size,
                                "accuracy_level": opts.accuracy_level,

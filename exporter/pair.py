@@ -42,6 +42,7 @@ from specedge.runtime.manifest import (
 
 from . import onnx_export, quantize, sources, validate
 from .archs import arch_for, default_graph
+from .split_head import split_head
 
 GRAPHS = ("gqa-shared", "concat")
 PRECISIONS = ("fp32", "fp16", *quantize.EXPORT_METHODS)  # what an export can write
@@ -345,6 +346,9 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
         min_cache_len=info.min_cache_len,
         source=source,
     )
+    if spec.graph == "gqa-shared":
+        say(f"splitting the {name}'s head")
+        spec = split_head(tmp, spec)
     return _Built(spec, dataclasses.replace(info, onnx_path=tmp / name / "model.onnx"))
 
 

@@ -49,6 +49,7 @@ import onnxruntime as ort
 from .errors import InputError, ManifestError, ModelError
 from .manifest import MANIFEST_NAME, ModelSpec, confine
 from .rowprobe import RowProbe
+from .shortlist import SplitHead
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -103,6 +104,10 @@ class SessionConfig:
             and width, and the attention mask at the cache's full length (the fixed addresses and
             shapes a CUDA graph replays). Implied by `cuda_graph`; on its own it runs the same
             steps without graphs (how the CPU tests check the layout token for token).
+        split_head: where the exporter split the model's head off its body (manifest `head`),
+            run the body and take greedy argmaxes from the int8 shortlist (`runtime/shortlist`)
+            and logits from the head alone. Used on the CPU with gqa-shared models on plain
+            buffers (elsewhere the whole graph runs); False always runs the whole graph.
     """
 
     provider: str = "cpu"
@@ -115,6 +120,7 @@ class SessionConfig:
     device_argmax: bool | None = None
     cuda_graph: bool = False
     fixed_buffers: bool = False
+    split_head: bool = True
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDERS:
@@ -578,8 +584,25 @@ class OrtModel:
 
     def __init__(self, root: Path, spec: ModelSpec, name: str, config: SessionConfig) -> None:
         self.spec, self.name, self.config = spec, name, config
-        path = root / spec.path
-        self._check_external_data(root)
+        # The head split off the body (see `runtime/shortlist`), where this session can use it.
+        head = spec.head if (spec.head is not None and config.split_head
+                             and config.provider == "cpu" and spec.graph == "gqa-shared"
+                             and not config.fixed and not config.argmax_on_device) else None
+        rel = spec.path if head is None else head.body
+        path = root / rel
+        for model_file in (rel,) if head is None else (rel, head.logits, head.shortlist):
+            self._check_external_data(root, model_file)
+        self.split: SplitHead | None = None
+        if head is not None:
+            self.split = SplitHead(root, head, _session_options(config), _providers(config))
+            worst = self.split.check()
+            if not worst < 1.0:
+                log.warning("%s: the int8 head's error bound does not hold on this build of "
+                            "ONNX Runtime (%.2f of it); running the whole graph", rel, worst)
+                self.split, head = None, None
+                rel = spec.path
+                path = root / rel
+        self._out = (spec.logits, 0) if head is None else (head.hidden, head.hidden_size)
         try:
             self.session = ort.InferenceSession(str(path), _session_options(config),
                                                 providers=_providers(config))
@@ -617,10 +640,10 @@ class OrtModel:
         self.two_row_steps = False
         self.row_probe: RowProbe | None = None
 
-    def _check_external_data(self, root: Path) -> None:
+    def _check_external_data(self, root: Path, rel: str) -> None:
         """Refuse a model whose tensors read external data from a file the manifest does not
         list (only listed files are confined and hashed)."""
-        path = root / self.spec.path
+        path = root / rel
         try:
             locations = external_data_files(path)
         except (ValueError, UnicodeDecodeError, OSError) as exc:
@@ -628,7 +651,7 @@ class OrtModel:
                 f"{path}: the {self.name} model is not a valid ONNX file ({exc}); the file may "
                 "be truncated or corrupt: re-export the pair"
             ) from None
-        folder = os.path.dirname(self.spec.path)
+        folder = os.path.dirname(rel)
         manifest = root / MANIFEST_NAME
         for location in sorted(locations):
             rel = os.path.normpath(os.path.join(folder, location)).replace(os.sep, "/")
@@ -680,7 +703,7 @@ class OrtModel:
         needed_in = [spec.input_ids, spec.attention_mask, *pasts]
         if spec.position_ids:
             needed_in.append(spec.position_ids)
-        needed_out = [spec.logits, *presents]
+        needed_out = [self._out[0], *presents]
         missing = [n for n in needed_in if n not in inputs] + [
             n for n in needed_out if n not in outputs]
         if missing:
@@ -702,7 +725,8 @@ class OrtModel:
                         f"at dimension {dim} but the manifest's {key} is {want}; re-export the "
                         "pair"
                     )
-        vocab = outputs[spec.logits].shape[-1]
+        vocab = (outputs[spec.logits].shape[-1] if self.split is None
+                 else self.split.full.get_outputs()[0].shape[-1])
         if not isinstance(vocab, int):
             vocab = self._probe_logits_width()
         expected = spec.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
@@ -799,7 +823,9 @@ class OrtModel:
         """
         raw, skip = self._step(cache, tokens)
         logits = _host(raw)
-        if logits is cache._logits.get(logits.shape):
+        if self.split is not None:  # the body's hidden state: the head makes a new array
+            logits = self.split.logits(logits[:, skip:])
+        elif logits is cache._logits.get(logits.shape):
             # The cache's own buffer, which the next call overwrites.
             logits = logits[:, skip:].copy()
         elif skip:
@@ -821,6 +847,12 @@ class OrtModel:
         -inf anywhere).
         """
         raw, skip = self._step(cache, tokens)
+        if self.split is not None:
+            hidden = _host(raw)[:, -1:] if last else _host(raw)[:, skip:]
+            ids = self.split.argmax(hidden.reshape(-1, hidden.shape[-1]))
+            if (ids < 0).any():
+                raise self._not_finite()
+            return ids.reshape(hidden.shape[:2])
         if self.head is None:
             # Few, cheap operations: after a run has streamed the weights through the caches,
             # every extra numpy call between two runs costs ~0.1 ms on a small CPU.
@@ -1061,14 +1093,15 @@ class OrtModel:
         if self.config.provider == "cpu":
             # Write the logits into a host buffer kept per shape: no per-call allocation, and no
             # Python wrappers for the 2 * layers present outputs (get_outputs would build them).
-            shape = (tokens.shape[0], width, self.logits_size)
+            # (The hidden state instead, for a body whose head is split off.)
+            name, size = self._out
+            shape = (tokens.shape[0], width, size or self.logits_size)
             buf = cache._logits.get(shape)
             if buf is None:
                 buf = cache._logits[shape] = np.empty(shape, dtype=_NP_DTYPES[
                     self.spec.logits_dtype])
             if cache._bound != shape:  # a binding keeps its output until rebound
-                binding.bind_output(self.spec.logits, "cpu", 0, buf.dtype, list(shape),
-                                    buf.ctypes.data)
+                binding.bind_output(name, "cpu", 0, buf.dtype, list(shape), buf.ctypes.data)
                 cache._bound = shape
             self.session.run_with_iobinding(binding, options)
             return buf

@@ -62,6 +62,21 @@ class KVSpec:
 
 
 @dataclass(frozen=True)
+class HeadSpec:
+    """A model's output head split off its body (written by `exporter/split_head.py`; used by
+    `runtime/shortlist.py` for exact greedy argmaxes that read an int8 copy of the head).
+
+    All paths are relative to the pair folder and listed, hashed, in the model's `files`.
+    """
+
+    body: str  # the graph without the head MatMul: outputs `hidden` instead of the logits
+    hidden: str  # the body's hidden-state output `[batch, new, hidden_size]`
+    logits: str  # the head MatMul alone: hidden -> logits, the whole graph's bit for bit
+    shortlist: str  # int8 head, bound and exact candidates: hidden `[rows, hidden_size]` -> ids
+    hidden_size: int
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the runtime needs to run one exported model."""
 
@@ -84,6 +99,7 @@ class ModelSpec:
     vocab_ids: str | None = None  # .npy of the token ids the logits cover (reduced-vocab draft)
     validation: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
+    head: HeadSpec | None = None  # the head split off the body, where the exporter split it
 
 
 @dataclass(frozen=True)
@@ -348,7 +364,24 @@ def _parse_model(r: _Reader, root: Path) -> ModelSpec:
         vocab_ids=_vocab_ids(r, root, files),
         validation=_free_form(r, "validation"),
         source=_free_form(r, "source"),
+        head=_head(r, root, files),
     )
+
+
+def _head(r: _Reader, root: Path, files: dict[str, str]) -> HeadSpec | None:
+    if r.data.get("head") is None:  # absent, or null: the head is part of the graph
+        return None
+    hr = r.sub("head")
+    assert hr is not None
+    paths = {}
+    for key in ("body", "logits", "shortlist"):
+        rel = _short_string(hr, key, 1024)
+        confine(root, rel, file=r.file, key=hr.key(key))
+        if rel not in files:
+            r.fail(r.key("files"), f"an object that lists {rel!r}", list(files))
+        paths[key] = rel
+    return HeadSpec(hidden=_short_string(hr, "hidden", 1024),
+                    hidden_size=hr.int_in("hidden_size", 1, 1 << 20), **paths)
 
 
 def _short_string(r: _Reader, name: str, limit: int = 200) -> str:

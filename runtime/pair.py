@@ -195,7 +195,7 @@ def load_model(manifest: PairManifest, name: str, config: SessionConfig, *,
     if choice.engine is not None:
         # The EPContext model has the ONNX model's inputs and outputs: only the file changes.
         engine_spec: ModelSpec = dataclasses.replace(spec, path=choice.engine.path,
-                                                     files=dict(choice.engine.files))
+                                                     files=dict(choice.engine.files), head=None)
         try:
             model = OrtModel(manifest.root, engine_spec, name, config)
         except ModelError as exc:  # e.g. TensorRT refuses to deserialize the engine
@@ -235,7 +235,7 @@ class Pair:
              plan: ThreadPlan | None = None, verify_hashes: bool = True,
              load_draft: bool = True, cuda_graph: bool = False,
              device_argmax: bool | None = None, huge_pages: bool | None = None,
-             two_row_steps: bool | None = None) -> Pair:
+             two_row_steps: bool | None = None, split_head: bool = True) -> Pair:
         """Load a pair folder written by `specedge export`.
 
         Args:
@@ -257,6 +257,9 @@ class Pair:
                 `OrtModel.probe_rows` finds the target's one-row kernels differ beyond rounding
                 and its block kernels agree, e.g. MatMulNBits at accuracy level 4). The probe
                 is `pair.target.row_probe`.
+            split_head: where the exporter split a model's head off (manifest `head`), greedy
+                argmaxes on the CPU read its int8 copy and compute only the candidates its
+                bound leaves exactly (`runtime/shortlist`); False runs the whole graph.
 
         Raises:
             ManifestError: missing, malformed, tampered or unsafe pair folder.
@@ -275,10 +278,10 @@ class Pair:
         if cuda_graph and "cuda" not in (plan.target.provider, plan.draft.provider):
             raise InputError("CUDA graphs need a model on the cuda provider; use --providers "
                              "cuda (or cuda,cpu), or drop --cuda-graph")
-        if cuda_graph or device_argmax is not None:
+        if cuda_graph or device_argmax is not None or not split_head:
             def tuned(c: SessionConfig) -> SessionConfig:
                 argmax = c.device_argmax if device_argmax is None else device_argmax
-                return replace(c, device_argmax=argmax,
+                return replace(c, device_argmax=argmax, split_head=split_head,
                                cuda_graph=c.cuda_graph or (cuda_graph and c.provider == "cuda"))
             plan = ThreadPlan(tuned(plan.target), tuned(plan.draft))
         tokenizer = Tokenizer.from_folder(manifest.root, bos_token_id=manifest.bos_token_id,

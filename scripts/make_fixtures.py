@@ -5,8 +5,9 @@ Writes OUT_DIR/tiny-llama (fp32 target + int4 self-draft), OUT_DIR/tiny-llama-in
 (fp32 target + int8 self-draft), OUT_DIR/tiny-llama-concat (fp32 target + int4 self-draft, both
 in the concat graph form, for batched speculative decoding on CPU) and
 OUT_DIR/tiny-llama-int8static (its target quantized with calibrated static int8 QDQ by
-`specedge quantize`). Pairs already in OUT_DIR are kept. Needs the [export] extra (torch); the
-runtime tests that read these folders do not.
+`specedge quantize`) and OUT_DIR/tiny-llama-split (tiny-llama with its target's head split off,
+as `export` does for heads of a MiB or more). Pairs already in OUT_DIR are kept. Needs the
+[export] extra (torch); the runtime tests that read these folders do not.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ def main(out: Path) -> None:
                                      calibration=CalibrationOptions(samples=4), force=True),
                      say=lambda _msg: None)
             print(f"wrote {quantized}")
+        # The split head (`runtime/shortlist.py`) on a tiny model: its head is far below the
+        # size export splits, so split it here.
+        split = out / "tiny-llama-split"
+        if not (split / "specedge.json").is_file():
+            from specedge.exporter.split_head import split_pair_heads
+            from specedge.runtime.manifest import copy_pair
+
+            copy_pair(out / "tiny-llama", split)
+            split_pair_heads(split, min_bytes=0)
+            print(f"wrote {split}")
 
 
 if __name__ == "__main__":

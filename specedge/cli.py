@@ -1012,6 +1012,27 @@ def inspect(pair: Path, no_verify: bool) -> None:
     click.echo(json_dumps(summary, indent=2))
 
 
+@main.command("split-head")
+@click.argument("pair", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Write the head files again where PAIR has them.")
+@clean_errors
+def split_head(pair: Path, force: bool) -> None:
+    """Split the output head off each model of PAIR, in place (`export` does it already).
+
+    Greedy decoding on the CPU then reads an int8 copy of the head and computes only the few
+    tokens its error bound leaves in float: the same argmax, a quarter of the head's bytes.
+    Adds body.onnx, head.onnx, shortlist.onnx and head_rows.npy beside each float model and
+    lists them in the manifest; model.onnx stays (ONNX Runtime GenAI and other paths use it).
+    """
+    from specedge.exporter.pair import require_modules
+    from specedge.exporter.split_head import split_pair_heads
+
+    require_modules("split-head", ("onnx",))
+    done = split_pair_heads(pair, force=force, say=lambda msg: click.echo(msg, err=True))
+    for name, split in done.items():
+        click.echo(f"{name}: {'head split' if split else 'head kept in the graph'}")
+
+
 def _register_commands() -> None:
     """Commands that live in their own modules (they import this one lazily)."""
     from specedge.doctor_cli import doctor
