@@ -123,20 +123,13 @@ def split_head(folder: Path, spec: ModelSpec, *, min_bytes: int = MIN_HEAD_BYTES
          [head_weight], "head.onnx", external=False)
 
     # The int8 head and the bound: hidden [rows, hidden] -> candidates [2, n] (row, token).
-    rows64 = matrix.T.astype(np.float64)  # [vocab, hidden]
-    blocks = rows64.reshape(vocab, hidden_size // BLOCK, BLOCK)
-    scale = np.abs(blocks).max(-1) / 127.0
-    scale[scale == 0] = 1.0
-    scale32 = scale.astype(np.float32)
-    quant = np.clip(np.rint(blocks / scale32[..., None]), -127, 127)
-    norm = np.sqrt((rows64 ** 2).sum(-1))
-    error = np.sqrt(((blocks - quant * scale32[..., None]) ** 2).sum((1, 2)))
+    weight_q, scale32, norm, error = _quantize_rows(matrix.T)
     c_hidden = (1.01 * (error + ROUNDING * (norm + error))).astype(np.float32)
     c_input = (1.01 * (1 + ROUNDING) * (norm + error)).astype(np.float32)
     f32 = TensorProto.FLOAT
     nb = hidden_size // BLOCK
     consts = [
-        numpy_helper.from_array((quant + 128).astype(np.uint8), "weight_q"),
+        numpy_helper.from_array(weight_q, "weight_q"),
         numpy_helper.from_array(scale32.reshape(-1), "weight_scale"),
         numpy_helper.from_array(c_hidden, "c_hidden"),
         numpy_helper.from_array(c_input, "c_input"),
@@ -215,6 +208,33 @@ def split_head(folder: Path, spec: ModelSpec, *, min_bytes: int = MIN_HEAD_BYTES
                     logits=str(rel_dir / "head.onnx"), shortlist=str(rel_dir / "shortlist.onnx"),
                     hidden_size=hidden_size)
     return dataclasses.replace(spec, files=files, head=head)
+
+
+def _quantize_rows(rows: np.ndarray, chunk: int = 4096
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Symmetric int8 per block of 32 of the head's rows `[vocab, hidden]`, as MatMulNBits
+    stores it (uint8 = q + 128), a few thousand rows at a time (the export's peak memory).
+
+    Returns:
+        weight_q `[vocab, hidden / 32, 32]` uint8, scales `[vocab, hidden / 32]` float32, and
+        per row the norm |w| and the quantization error |w - hat(w)| (float64).
+    """
+    vocab, hidden = rows.shape
+    weight_q = np.empty((vocab, hidden // BLOCK, BLOCK), np.uint8)
+    scales = np.empty((vocab, hidden // BLOCK), np.float32)
+    norm = np.empty(vocab)
+    error = np.empty(vocab)
+    for start in range(0, vocab, chunk):
+        part = slice(start, start + chunk)
+        blocks = rows[part].astype(np.float64).reshape(-1, hidden // BLOCK, BLOCK)
+        scale = (np.abs(blocks).max(-1) / 127.0).astype(np.float32)
+        scale[scale == 0] = 1.0
+        quant = np.clip(np.rint(blocks / scale[..., None]), -127, 127)
+        weight_q[part] = (quant + 128).astype(np.uint8)
+        scales[part] = scale
+        norm[part] = np.sqrt((blocks ** 2).sum((1, 2)))
+        error[part] = np.sqrt(((blocks - quant * scale[..., None]) ** 2).sum((1, 2)))
+    return weight_q, scales, norm, error
 
 
 def _read_external(model_dir: Path, tensor: object) -> np.ndarray:
