@@ -139,6 +139,7 @@ def split_head(folder: Path, spec: ModelSpec, *, min_bytes: int = MIN_HEAD_BYTES
         numpy_helper.from_array(np.array([2], np.int64), "axis2"),
         numpy_helper.from_array(np.array(0, np.int64), "zero"),
         numpy_helper.from_array(np.array(1, np.int64), "one"),
+        numpy_helper.from_array(np.array(-1, np.int64), "minus_one"),
         # sqrt(BLOCK) / 254: a block's rounding error (half a step of max/127), as a norm.
         numpy_helper.from_array(np.array(np.sqrt(BLOCK) / 254, np.float32), "input_scale"),
     ]
@@ -179,7 +180,7 @@ def split_head(folder: Path, spec: ModelSpec, *, min_bytes: int = MIN_HEAD_BYTES
              value=numpy_helper.from_array(np.array([-np.inf], np.float64))),
         node("Transpose", ["candidates"], ["cand_idx"], perm=[1, 0]),
         node("ScatterND", ["table", "cand_idx", "exact"], ["scores"]),
-        node("ArgMax", ["scores"], ["ids"], axis=1, keepdims=0),
+        node("ArgMax", ["scores"], ["best_id"], axis=1, keepdims=0),
         node("ReduceMax", ["scores", "axis1"], ["best"], keepdims=0),
         # ok: the row's best logit and its hidden state are finite (no NaN, no inf).
         node("ReduceSum", ["x_norm", "axis1"], ["norm_row"], keepdims=0),
@@ -189,6 +190,7 @@ def split_head(folder: Path, spec: ModelSpec, *, min_bytes: int = MIN_HEAD_BYTES
         node("IsInf", ["check"], ["is_inf"]),
         node("Or", ["is_nan", "is_inf"], ["bad"]),
         node("Not", ["bad"], ["ok"]),
+        node("Where", ["ok", "best_id", "minus_one"], ["ids"]),  # -1: not finite
     ]
     save(nodes, [helper.make_tensor_value_info("hidden", weight.data_type, ["rows", hidden_size])],
          [helper.make_tensor_value_info("ids", TensorProto.INT64, ["rows"]),

@@ -37,6 +37,12 @@ from .manifest import HeadSpec
 
 log = logging.getLogger(__name__)
 
+# Widest call that takes its argmaxes from the shortlist: the int8 head's cost grows by ~0.5 ms
+# a row on the 2-core CPU (its int8 kernel is compute-bound past one row) while the float head
+# reads its bytes once for any row count (docs/results/split_head.md); wider verification blocks
+# take the argmax of the float head's logits.
+MAX_ROWS = 4
+
 class SplitHead:
     """The head of one model split off its body: full logits (`logits`) and exact greedy argmaxes
     from the int8 shortlist (`argmax`)."""
@@ -54,6 +60,7 @@ class SplitHead:
             raise ModelError(f"{path}: the split head could not load ({first}); re-export "
                              "the pair, or run `specedge split-head --force` on it") from None
         self.dtype = np.float16 if "16" in self.full.get_inputs()[0].type else np.float32
+        self.max_rows = MAX_ROWS
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden `[batch, new, hidden_size]` -> logits `[batch, new, vocab]` (host, owned)."""
@@ -63,11 +70,8 @@ class SplitHead:
     def argmax(self, hidden: np.ndarray) -> np.ndarray:
         """hidden `[rows, hidden_size]` -> argmax ids `[rows]` int64, ties to the lowest id;
         -1 for a row whose hidden state or best logit is not finite."""
-        ids, ok = self.shortlist.run(["ids", "ok"], {"hidden": np.ascontiguousarray(
-            hidden, dtype=self.dtype)})
-        if not ok.all():
-            ids[~ok] = -1
-        out: np.ndarray = ids
+        out: np.ndarray = self.shortlist.run(["ids"], {"hidden": np.ascontiguousarray(
+            hidden, dtype=self.dtype)})[0]
         return out
 
     def check(self, seed: int = 0) -> float:

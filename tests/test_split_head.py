@@ -96,6 +96,21 @@ def test_logits_equal_the_whole_graph_bit_for_bit(split_pair: Pair, whole_pair: 
                                   whole_pair.target.forward(whole_cache, step))
 
 
+@pytest.mark.parametrize("width", [1, 3, 6, 9])
+def test_block_argmaxes_equal_the_whole_graph(split_pair: Pair, whole_pair: Pair,
+                                              width: int) -> None:
+    """Blocks up to `max_rows` take the shortlist, wider ones the float head's logits."""
+    split, whole = split_pair.target, whole_pair.target
+    assert split.split is not None and split.split.max_rows < 9
+    ids = np.array([split_pair.encode_prompt(PROMPTS[2])], np.int64)
+    split_cache, whole_cache = split.new_cache(1, 64), whole.new_cache(1, 64)
+    split.forward_argmax(split_cache, ids, last=True)
+    whole.forward_argmax(whole_cache, ids, last=True)
+    block = np.arange(10, 10 + width, dtype=np.int64)[None]
+    np.testing.assert_array_equal(split.forward_argmax(split_cache, block),
+                                  whole.forward_argmax(whole_cache, block))
+
+
 @pytest.mark.parametrize("drafter", ["none", "model", "ngram"])
 def test_greedy_generation_equals_the_whole_graph(split_pair: Pair, whole_pair: Pair,
                                                   drafter: str) -> None:
