@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 export SPECEDGE_FIXTURES=${SPECEDGE_FIXTURES:-$ROOT/.cache/fixtures}
 export SPECEDGE_REFERENCE_PAIR=${SPECEDGE_REFERENCE_PAIR:-$ROOT/pairs/smollm2-135m}
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}  # fixed seeds: see tests/conftest.py
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from scipy.special import softmax
 from scipy.stats import chisquare
@@ -152,6 +152,8 @@ def reference_warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
             cum += p[i]
             if cum >= params.top_p * p.sum():
                 break
+        # The logits' argmax always stays, even when exp() rounds it to a tie with lower ids.
+        keep[np.argmax(logits)] = True
         p = np.where(keep, p, 0.0)
         p /= p.sum()
     if params.min_p > 0.0:
@@ -501,6 +503,10 @@ params_strategy = st.builds(
 
 @THOROUGH
 @given(logit_rows, params_strategy)
+@example(  # regression (CI, stop 24): logits that differ by less than exp() resolves
+    np.asarray([[-1.0, -1.0, -2.0, -2.189458710796879e-121, -2.377186443690369e-280, 0.0]]),
+    SamplingParams(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0),
+)
 def test_warp_probs_matches_reference(logits: np.ndarray, params: SamplingParams) -> None:
     probs = warp_probs(logits, params)
     assert probs.dtype == np.float64 and probs.shape == logits.shape
