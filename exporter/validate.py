@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from specedge.runtime.backend import OrtModel, SessionConfig
-from specedge.runtime.errors import ExportError
+from specedge.runtime.errors import ExportError, InputError
 from specedge.runtime.manifest import ModelSpec
 
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
@@ -100,7 +100,13 @@ def validate_model(root: Path, spec: ModelSpec, name: str, reference: np.ndarray
         ExportError: an fp32/fp16 export is past its tolerance.
     """
     used, why = validation_provider(provider)
-    model = OrtModel(root, spec, name, SessionConfig(provider=used))
+    try:
+        model = OrtModel(root, spec, name, SessionConfig(provider=used))
+    except InputError as exc:  # the GPU is there, but its provider did not start
+        if used == "cpu":
+            raise
+        used, why = "cpu", f"ONNX Runtime could not start it here ({exc})"
+        model = OrtModel(root, spec, name, SessionConfig(provider=used))
     cache = model.new_cache(1, 64)
     prefill = model.forward(cache, ids[:, :PREFILL])[0]
     step = model.forward(cache, ids[:, PREFILL:])[0]

@@ -38,6 +38,7 @@ import logging
 import math
 import os
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -236,6 +237,32 @@ def _providers(config: SessionConfig) -> list[Any]:
         trt_opts.update(trt_engine_cache_enable=True, trt_engine_cache_path=config.trt_cache_dir,
                         trt_timing_cache_enable=True)
     return [("TensorrtExecutionProvider", trt_opts), cuda, "CPUExecutionProvider"]
+
+
+def fallback_message(asked: str, ran_on: Sequence[str], what: str) -> tuple[bool, str] | None:
+    """What to say when ONNX Runtime started a session for `what` on other providers than
+    `asked` (it falls back without an error when a GPU provider's libraries or driver do not
+    load): (True, message) when it would run on the CPU instead of the GPU asked for, an error;
+    (False, message) when TensorRT fell back to CUDA, a warning; None when the asked provider
+    runs. One line each, naming the command that shows what is missing."""
+    name = PROVIDERS[asked]
+    if asked == "cpu" or name in ran_on:
+        return None
+    doctor = f"run `specedge doctor --providers {asked}` to see what is missing"
+    if asked == "tensorrt" and PROVIDERS["cuda"] in ran_on:
+        return False, f"{what}: TensorRT did not start here, so it runs on CUDA; {doctor}"
+    return True, (f"{what}: {name} was asked for, but ONNX Runtime could not start it and fell "
+                  f"back to {', '.join(ran_on) or 'nothing'}; {doctor} (the NVIDIA driver, CUDA "
+                  "or cuDNN libraries), or use --providers cpu")
+
+
+def _check_started(session: ort.InferenceSession, config: SessionConfig, what: str) -> None:
+    """Raise (or warn) as `fallback_message` says for a session just created for `config`."""
+    said = fallback_message(config.provider, session.get_providers(), what)
+    if said is not None and said[0]:
+        raise InputError(said[1])
+    if said is not None:
+        log.warning("%s", said[1])
 
 
 def cuda_provider_options(config: SessionConfig) -> dict[str, str]:
@@ -545,6 +572,7 @@ class GreedyHead:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             raise ModelError(f"{path}: ONNX Runtime could not load the greedy head ({first}); "
                              "reinstall specedge, or turn device_argmax off") from None
+        _check_started(self.session, own, "the greedy head")
         self.index = ort.OrtValue.ortvalue_from_numpy(np.arange(vocab, dtype=np.float32),
                                                       config.device, config.device_id)
 
@@ -614,6 +642,7 @@ class OrtModel:
                 f"{path}: ONNX Runtime could not load the {name} model ({first[:300]}); the file "
                 "may be truncated or corrupt: re-export the pair"
             ) from None
+        _check_started(self.session, config, f"the {name} model")
         if config.fixed and spec.graph != "gqa-shared":
             raise InputError(
                 f"{path}: fixed buffers and CUDA graphs need a gqa-shared model (the KV cache "

@@ -1,0 +1,89 @@
+"""A GPU provider that ONNX Runtime cannot start is a clear one-line error, not a silent CPU run.
+
+ONNX Runtime creates a session on the CPU, with no error, when the CUDA or TensorRT provider of an
+onnxruntime-gpu build cannot load its libraries or find a driver (measured with onnxruntime-gpu
+1.31.1 on the CPU-only development machine: `specedge generate --providers cuda` ended in a
+traceback from the device argmax's first CUDA buffer). A CPU build asked for CUDA does the same,
+which is how these tests reproduce it: the runtime is made to believe the build has CUDA.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+
+from specedge.cli import main
+from specedge.runtime.backend import fallback_message
+from specedge.runtime.errors import InputError
+from specedge.runtime.pair import Pair
+
+CPU, CUDA, TRT = "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"
+
+
+@pytest.mark.parametrize(("asked", "ran_on", "expected"), [
+    ("cpu", [CPU], None),
+    ("cuda", [CUDA, CPU], None),
+    ("tensorrt", [TRT, CUDA, CPU], None),
+    ("cuda", [CPU], True),
+    ("tensorrt", [CPU], True),
+    ("cuda", [], True),
+    ("tensorrt", [CUDA, CPU], False),  # still on the GPU: a warning
+])
+def test_fallback_message(asked: str, ran_on: list[str], expected: bool | None) -> None:
+    said = fallback_message(asked, ran_on, "the target model")
+    assert (None if said is None else said[0]) is expected
+    if said is not None:
+        assert "\n" not in said[1] and said[1].startswith("the target model: ")
+        assert f"specedge doctor --providers {asked}" in said[1]
+
+
+@pytest.fixture
+def cuda_claimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This CPU build of onnxruntime says it has the CUDA provider (and then cannot start it)."""
+    real = ort.get_available_providers
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, *real()])
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")
+@pytest.mark.parametrize(("providers", "model"), [(("cuda", "cuda"), "target"),
+                                                  (("cpu", "cuda"), "draft")])
+def test_pair_load_refuses_a_silent_cpu_fallback(
+        tiny_pair_dir: Path, cuda_claimed: None, providers: tuple[str, str], model: str) -> None:
+    with pytest.raises(InputError, match=f"^the {model} model: CUDAExecutionProvider was asked "
+                                         "for, but ONNX Runtime could not start it") as info:
+        Pair.load(tiny_pair_dir, providers=providers)
+    assert "specedge doctor --providers cuda" in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")
+def test_cli_says_it_in_one_line(tiny_pair_dir: Path, cuda_claimed: None) -> None:
+    result = CliRunner().invoke(main, ["generate", str(tiny_pair_dir), "hi", "--max-new-tokens",
+                                       "4", "--providers", "cuda"])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the target model: "), lines
+    assert "or use --providers cpu" in lines[0]
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")
+def test_cuda_export_validates_on_cpu_when_cuda_does_not_start(
+        tiny_pair_dir: Path, cuda_claimed: None, monkeypatch: pytest.MonkeyPatch) -> None:
+
+    from specedge.exporter import validate
+    from specedge.runtime.backend import OrtModel, SessionConfig
+    from specedge.runtime.manifest import load_manifest
+
+    # A GPU is found (the driver answers), but the CUDA provider does not start.
+    monkeypatch.setattr(validate, "validation_provider", lambda requested: (requested, None))
+    spec = load_manifest(tiny_pair_dir).target
+    ids = validate.validation_ids(spec.vocab_size, None)
+    model = OrtModel(tiny_pair_dir, spec, "target", SessionConfig())
+    reference = model.forward(model.new_cache(1, 64), ids)[0]
+    result = validate.validate_model(tiny_pair_dir, spec, "target", reference, ids,
+                                     provider="cuda")
+    assert result["passed"] and result["provider"] == CPU
+    assert result["note"].startswith("validated on CPU, not cuda: ONNX Runtime could not start")
