@@ -427,7 +427,8 @@ def compile_model(root: Path, spec: ModelSpec, name: str, folder: Path, profile:
     trt = provider_options(profile, opts.precision, folder, device_id=opts.device_id)
     try:
         session = ort.InferenceSession(str(root / spec.path), so,
-                                       providers=[(TENSORRT_EP, trt)])
+                                       providers=[(TENSORRT_EP, trt)],
+                                       enable_fallback=0)  # no retry banner on stdout
         if TENSORRT_EP not in session.get_providers():  # onnxruntime fell back silently
             raise ExportError(f"{spec.path}: the TensorRT EP did not start for the {name} "
                               "model; see `specedge doctor --providers tensorrt`")

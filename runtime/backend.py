@@ -37,6 +37,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -239,30 +240,68 @@ def _providers(config: SessionConfig) -> list[Any]:
     return [("TensorrtExecutionProvider", trt_opts), cuda, "CPUExecutionProvider"]
 
 
-def fallback_message(asked: str, ran_on: Sequence[str], what: str) -> tuple[bool, str] | None:
+def fallback_message(asked: str, ran_on: Sequence[str], what: str, reason: str = ""
+                     ) -> tuple[bool, str] | None:
     """What to say when ONNX Runtime started a session for `what` on other providers than
     `asked` (it falls back without an error when a GPU provider's libraries or driver do not
     load): (True, message) when it would run on the CPU instead of the GPU asked for, an error;
     (False, message) when TensorRT fell back to CUDA, a warning; None when the asked provider
-    runs. One line each, naming the command that shows what is missing."""
+    runs. One line each, naming the command that shows what is missing; `reason`, when known,
+    is the provider's own first error line."""
     name = PROVIDERS[asked]
     if asked == "cpu" or name in ran_on:
         return None
+    why = f" ({reason[:200]})" if reason else ""
     doctor = f"run `specedge doctor --providers {asked}` to see what is missing"
     if asked == "tensorrt" and PROVIDERS["cuda"] in ran_on:
-        return False, f"{what}: TensorRT did not start here, so it runs on CUDA; {doctor}"
-    return True, (f"{what}: {name} was asked for, but ONNX Runtime could not start it and fell "
-                  f"back to {', '.join(ran_on) or 'nothing'}; {doctor} (the NVIDIA driver, CUDA "
-                  "or cuDNN libraries), or use --providers cpu")
+        return False, f"{what}: TensorRT did not start here{why}, so it runs on CUDA; {doctor}"
+    return True, (f"{what}: {name} was asked for, but ONNX Runtime could not start it{why} and "
+                  f"fell back to {', '.join(ran_on) or 'nothing'}; {doctor} (the NVIDIA driver, "
+                  "CUDA or cuDNN libraries), or use --providers cpu")
 
 
-def _check_started(session: ort.InferenceSession, config: SessionConfig, what: str) -> None:
-    """Raise (or warn) as `fallback_message` says for a session just created for `config`."""
-    said = fallback_message(config.provider, session.get_providers(), what)
+def _first_line(exc: BaseException) -> str:
+    """The first line of an ONNX Runtime error, without its C++ source location and function
+    signature (`/onnxruntime_src/...cc:729 void f(A&, B&) Please install ...`)."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return re.sub(r"^\S+\.(?:cc|cpp|h):\d+ .*?\) ", "", line)[:300]
+
+
+def start_session(path: Path, config: SessionConfig, what: str, fix: str) -> ort.InferenceSession:
+    """An ONNX Runtime session of the graph at `path` for `what` on `config`'s provider.
+
+    ONNX Runtime's own fallback is off (it prints a banner to stdout and retries on other
+    providers); when a GPU provider fails to start, the rest of the provider chain is tried to
+    tell a provider that cannot start from a file that cannot load, and `fallback_message`
+    decides: a session on the CPU instead of the GPU asked for is an error, TensorRT falling
+    back to CUDA a warning.
+
+    Raises:
+        InputError: the GPU provider asked for does not start here.
+        ModelError: the graph does not load (`fix` says what to do).
+    """
+    chain = _providers(config)
+    options = _session_options(config)
+    reason = ""
+    try:
+        session = ort.InferenceSession(str(path), options, providers=chain, enable_fallback=0)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        if len(chain) == 1:
+            raise ModelError(f"{path}: ONNX Runtime could not load {what} ({_first_line(exc)}); "
+                             f"{fix}") from None
+        reason = _first_line(exc)
+        try:
+            session = ort.InferenceSession(str(path), options, providers=chain[1:],
+                                           enable_fallback=0)
+        except Exception:  # the file itself, then: say what the first try said
+            raise ModelError(f"{path}: ONNX Runtime could not load {what} ({reason}); {fix}"
+                             ) from None
+    said = fallback_message(config.provider, session.get_providers(), what, reason)
     if said is not None and said[0]:
         raise InputError(said[1])
     if said is not None:
         log.warning("%s", said[1])
+    return session
 
 
 def cuda_provider_options(config: SessionConfig) -> dict[str, str]:
@@ -563,16 +602,8 @@ class GreedyHead:
         own = replace(config, provider="cpu" if config.provider == "cpu" else "cuda",
                       intra_op_threads=0 if global_pool_active() else 1, cuda_graph=False,
                       fixed_buffers=False, device_argmax=False)
-        try:
-            self.session = ort.InferenceSession(str(path), _session_options(own),
-                                                providers=_providers(own))
-        except InputError:
-            raise
-        except Exception as exc:  # onnxruntime raises its own exception types
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise ModelError(f"{path}: ONNX Runtime could not load the greedy head ({first}); "
-                             "reinstall specedge, or turn device_argmax off") from None
-        _check_started(self.session, own, "the greedy head")
+        self.session = start_session(Path(str(path)), own, "the greedy head",
+                                     "reinstall specedge, or turn device_argmax off")
         self.index = ort.OrtValue.ortvalue_from_numpy(np.arange(vocab, dtype=np.float32),
                                                       config.device, config.device_id)
 
@@ -631,18 +662,8 @@ class OrtModel:
                 rel = spec.path
                 path = root / rel
         self._out = (spec.logits, 0) if head is None else (head.hidden, head.hidden_size)
-        try:
-            self.session = ort.InferenceSession(str(path), _session_options(config),
-                                                providers=_providers(config))
-        except InputError:
-            raise
-        except Exception as exc:  # onnxruntime raises its own exception types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelError(
-                f"{path}: ONNX Runtime could not load the {name} model ({first[:300]}); the file "
-                "may be truncated or corrupt: re-export the pair"
-            ) from None
-        _check_started(self.session, config, f"the {name} model")
+        self.session = start_session(path, config, f"the {name} model",
+                                     "the file may be truncated or corrupt: re-export the pair")
         if config.fixed and spec.graph != "gqa-shared":
             raise InputError(
                 f"{path}: fixed buffers and CUDA graphs need a gqa-shared model (the KV cache "

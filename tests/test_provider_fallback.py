@@ -87,3 +87,47 @@ def test_cuda_export_validates_on_cpu_when_cuda_does_not_start(
                                      provider="cuda")
     assert result["passed"] and result["provider"] == CPU
     assert result["note"].startswith("validated on CPU, not cuda: ONNX Runtime could not start")
+
+
+class _TensorRTFails:
+    """onnxruntime.InferenceSession whose TensorRT provider raises at creation, as onnxruntime-gpu
+    does without the TensorRT libraries (its own retry, which prints a banner, must be off)."""
+
+    real = ort.InferenceSession
+
+    def __new__(cls, path: str, options: object, providers: list, **kwargs: object) -> object:
+        assert kwargs.get("enable_fallback") == 0
+        first = providers[0][0] if isinstance(providers[0], tuple) else providers[0]
+        if first == TRT:
+            raise RuntimeError("/onnxruntime_src/onnxruntime/python/onnxruntime_pybind_state.cc:"
+                               "729 void f(PySessionOptions&, const ProviderOptions&) Please "
+                               "install TensorRT libraries")
+        return cls.real(path, options, providers=providers, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")
+def test_a_provider_that_raises_is_named_with_its_reason(
+        tiny_pair_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    real = ort.get_available_providers
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [TRT, CUDA, *real()])
+    monkeypatch.setattr(ort, "InferenceSession", _TensorRTFails)
+    with pytest.raises(InputError, match=r"^the target model: TensorrtExecutionProvider was asked "
+                       r"for, but ONNX Runtime could not start it \(Please install TensorRT "
+                       r"libraries\) and fell back to CPUExecutionProvider;"):
+        Pair.load(tiny_pair_dir, providers=("tensorrt", "cpu"))
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")
+def test_a_broken_file_on_a_gpu_provider_is_still_a_broken_file(
+        tiny_pair_dir: Path, tmp_path: Path, cuda_claimed: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from specedge.runtime.backend import SessionConfig, start_session
+    from specedge.runtime.errors import ModelError
+
+    monkeypatch.setattr(ort, "InferenceSession", _TensorRTFails)
+    bad = tmp_path / "model.onnx"
+    bad.write_bytes(b"not an onnx file")
+    with pytest.raises(ModelError, match="could not load the target model .*; re-export"):
+        start_session(bad, SessionConfig(provider="cuda"), "the target model", "re-export")
