@@ -222,6 +222,7 @@ class LoadOptions:
     cuda_graph: bool = False
     argmax: str = "auto"
     row_steps: str = "auto"
+    head: str = "split"
 
     def load(self, pair: Path) -> Pair:
         """Load `pair` with these providers and threads.
@@ -255,7 +256,8 @@ class LoadOptions:
         return Pair.load(pair, providers=(target_p, draft_p), plan=plan,
                          verify_hashes=not self.no_verify, cuda_graph=self.cuda_graph,
                          device_argmax={"auto": None, "device": True, "host": False}[self.argmax],
-                         two_row_steps={"auto": None, "two": True, "one": False}[self.row_steps])
+                         two_row_steps={"auto": None, "two": True, "one": False}[self.row_steps],
+                         split_head=self.head == "split")
 
 
 load_options = _collect("load", LoadOptions, [
@@ -275,6 +277,11 @@ load_options = _collect("load", LoadOptions, [
                       "so they compute like verification blocks and speculation is exactly "
                       "target-only decoding; auto = two when a load-time probe finds one-row "
                       "calls compute differently (int4/int8 targets); one = fastest, inexact."),
+    click.option("--head", default="split", show_default=True,
+                 type=click.Choice(["split", "whole"]),
+                 help="split: on the CPU, greedy argmaxes from the int8 shortlist where the "
+                      "exporter split the output head off (faster; the same tokens; more "
+                      "memory); whole: run the whole graph (less memory)."),
 ])
 
 

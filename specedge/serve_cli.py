@@ -70,13 +70,17 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
               help="Execution provider, or TARGET,DRAFT (e.g. cuda,cpu).")
 @click.option("--threads", default=None, help="Intra-op threads, or TARGET,DRAFT.")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the model files.")
+@click.option("--head", default="split", show_default=True, type=click.Choice(["split", "whole"]),
+              help="split: greedy argmaxes from the int8 shortlist where the head is split off "
+                   "(CPU; faster, more memory); whole: the whole graph (less memory).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
           max_batch: int, max_queue: int, max_tokens_limit: int, max_context: int,
           max_body_bytes: int, request_timeout: float, drafter: str | None,
           num_draft_tokens: int | None, no_speculation: bool, adaptive: bool | None,
-          providers: str, threads: str | None, no_verify: bool, log_level: str) -> None:
+          providers: str, threads: str | None, no_verify: bool, head: str,
+          log_level: str) -> None:
     """Serve PAIR with an OpenAI-compatible API (chat, completions, streaming).
 
     Concat-form pairs decode requests in one continuously batched speculative loop; gqa-shared
@@ -100,7 +104,8 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
                                 max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
                                 drafter="none" if no_speculation else drafter,
                                 num_draft_tokens=num_draft_tokens, adaptive=adaptive)
-        loaded = LoadOptions(providers=providers, threads=threads, no_verify=no_verify).load(pair)
+        loaded = LoadOptions(providers=providers, threads=threads, no_verify=no_verify,
+                             head=head).load(pair)
         app = create_app(loaded, options)
     except SpecEdgeError as exc:
         click.echo(f"error: {exc}", err=True)

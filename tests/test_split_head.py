@@ -172,6 +172,24 @@ def test_reference_pair_greedy_equals_the_whole_graph(reference_pair_dir: Path) 
         assert split.generate_ids(ids, config)[0] == whole.generate_ids(ids, config)[0]
 
 
+def test_cli_head_option(split_dir: Path) -> None:
+    from click.testing import CliRunner
+
+    from specedge.cli import LoadOptions, main
+
+    assert LoadOptions().load(split_dir).target.split is not None
+    assert LoadOptions(head="whole").load(split_dir).target.split is None
+    outs = {}
+    for head in ("split", "whole"):
+        result = CliRunner().invoke(main, ["generate", str(split_dir), PROMPTS[0], "--head", head,
+                                           "--max-new-tokens", "12", "--json"])
+        assert result.exit_code == 0, result.output
+        outs[head] = json.loads(result.stdout)["tokens"]
+    assert outs["split"] == outs["whole"] and len(outs["split"]) == 12
+    bad = CliRunner().invoke(main, ["generate", str(split_dir), "hi", "--head", "half"])
+    assert bad.exit_code == 2
+
+
 needs_onnx = pytest.mark.skipif(importlib.util.find_spec("onnx") is None,
                                 reason="splitting needs the onnx package ([export])")
 
