@@ -136,9 +136,34 @@ def ready(folder: Path | None) -> bool:
     return folder is not None and (folder / "specedge.json").is_file()
 
 
+def export_gone(folder: Path, plan: Plan) -> bool:
+    """Whether the export of `folder` can no longer arrive: the build phase recorded it as
+    failed, or its background process (still running when build's time was up) has ended
+    without writing the pair. Waiting for it would only spend the GPU machine's minutes."""
+    try:
+        status = json.loads((plan.parts / "build.json").read_text())
+    except (OSError, ValueError):
+        return False
+    entry = status.get("pairs", {}).get(folder.name)
+    if not isinstance(entry, dict) or ready(folder):
+        return False
+    if entry.get("ok") is False:
+        return True
+    pid = entry.get("pid")
+    if entry.get("ok") is None and isinstance(pid, int):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, someone else's: not ours, but not gone either
+            return False
+    return False
+
+
 def wait_for(folder: Path, plan: Plan, reserve: float) -> bool:
-    """Wait until a background export has written `folder`, keeping `reserve` seconds."""
-    while not ready(folder) and plan.left() > reserve:
+    """Wait until a background export has written `folder`, keeping `reserve` seconds; False
+    at once when that export failed or died (`export_gone`)."""
+    while not ready(folder) and plan.left() > reserve and not export_gone(folder, plan):
         time.sleep(2)
     return ready(folder)
 
@@ -298,8 +323,9 @@ def phase_build(plan: Plan) -> None:
             write_part(plan, "build", status)
             print(f"build: {name} rc={proc.returncode} in {status['pairs'][name]['seconds']:.0f} s")
         time.sleep(1)
-    for name in procs:
-        status["pairs"][name] = {"ok": None, "note": "still exporting when build's time was up"}
+    for name, (proc, _start) in procs.items():
+        status["pairs"][name] = {"ok": None, "pid": proc.pid,
+                                 "note": "still exporting when build's time was up"}
     write_part(plan, "build", status)
 
 
