@@ -5,7 +5,7 @@
 # OUT/gpu_batching.md for the batch figures (OUT: $OUT when set, else docs/results).
 #
 # On the GPU machine, after the staged wheels have arrived (../shared/gpu/stage.sh --with-smollm2,
-# then .gpu/bin/receive.sh; see DEVELOPERS.md):
+# then .gpu/bin/receive.sh per part; DEVELOPERS.md, "The GPU check"):
 #     bash scripts/gpu_check.sh                 # sources .gpu/bin/env.sh itself when present
 # On any machine, the same Python code on the CPU with the tiny fixture pairs (a few minutes):
 #     SPECEDGE_FIXTURES=$PWD/.cache/fixtures bash scripts/gpu_check.sh --cpu-smoke
