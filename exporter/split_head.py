@@ -38,6 +38,11 @@ from specedge.runtime.manifest import HeadSpec, ModelSpec, sha256_file
 
 log = logging.getLogger(__name__)
 
+# Only float32 heads are split. A float16 model's logits are rounded to float16, so two tokens
+# often tie there (measured: SmolLM2's fp16 GPU recipe, 17.42 for both); the whole graph gives
+# the lower id, the exact float64 argmax may not, and greedy output would change. (fp16 pairs are
+# for GPUs anyway, where the runtime takes the argmax on the device and never splits the head.)
+SPLIT_TYPES = (1,)  # onnx TensorProto.FLOAT
 BLOCK = 32  # MatMulNBits block along the hidden size (and the input quantization's block)
 ROUNDING = 1e-4  # relative allowance for float32 rounding in the int8 head's sums
 MIN_HEAD_BYTES = 1 << 20  # smaller heads gain nothing worth the extra files
@@ -67,6 +72,8 @@ def split_head(folder: Path, spec: ModelSpec, *, min_bytes: int = MIN_HEAD_BYTES
         return spec
     if weight.data_type not in (TensorProto.FLOAT, TensorProto.FLOAT16) or len(weight.dims) != 2:
         why = "its head is not a float matrix"
+    elif weight.data_type not in SPLIT_TYPES:
+        why = "its head is float16, whose rounded logits tie where the exact argmax may not"
     elif weight.data_location != TensorProto.EXTERNAL:
         why = "its head weight is inside the graph file"
     elif weight.dims[0] % BLOCK:

@@ -643,8 +643,11 @@ class OrtModel:
 
     def __init__(self, root: Path, spec: ModelSpec, name: str, config: SessionConfig) -> None:
         self.spec, self.name, self.config = spec, name, config
-        # The head split off the body (see `runtime/shortlist`), where this session can use it.
+        # The head split off the body (see `runtime/shortlist`), where this session can use it:
+        # float32 logits only (older exports split fp16 heads too, whose rounded logits tie
+        # where the exact argmax does not; exporter/split_head.py).
         head = spec.head if (spec.head is not None and config.split_head
+                             and spec.logits_dtype == "float32"
                              and config.provider == "cpu" and spec.graph == "gqa-shared"
                              and not config.fixed and not config.argmax_on_device) else None
         rel = spec.path if head is None else head.body

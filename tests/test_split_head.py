@@ -238,3 +238,32 @@ def test_quantizing_a_split_target_drops_its_head(split_dir: Path, tmp_path: Pat
     assert pair.target.split is None
     assert len(pair.generate_ids(pair.encode_prompt("Once"),
                                  GenerationConfig(max_new_tokens=4))[0]) == 4
+
+
+@needs_onnx
+@pytest.mark.export
+def test_fp16_heads_stay_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp16 model's logits round to float16 and tie where the exact argmax does not (the fp16
+    SmolLM2 GPU recipe on the CPU: two tokens at 17.42, and the split head decoded other text
+    than the whole graph), so export keeps fp16 heads whole and the runtime ignores the head
+    entry an older export wrote."""
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter import split_head as split_module
+    from specedge.exporter.tiny import make_tiny_model
+
+    hf = make_tiny_model("llama", tmp_path / "hf", seed=4)
+    pair = tmp_path / "pair"
+    result = CliRunner().invoke(main, ["export", str(hf), "-o", str(pair), "--provider", "cuda",
+                                       "--precision", "fp16", "--draft-precision", "fp16",
+                                       "--no-validate"])
+    assert result.exit_code == 0, result.output
+    assert split_module.split_pair_heads(pair, min_bytes=0) == {"target": False, "draft": False}
+    assert load_manifest(pair).target.head is None
+    # What an older export wrote: an fp16 head split off.
+    monkeypatch.setattr(split_module, "SPLIT_TYPES", (1, 10))
+    assert split_module.split_pair_heads(pair, min_bytes=0)["target"]
+    assert load_manifest(pair).target.head is not None
+    loaded = Pair.load(pair)
+    assert loaded.target.split is None and loaded.target.spec.logits_dtype == "float16"
