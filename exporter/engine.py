@@ -56,6 +56,7 @@ from specedge.runtime.manifest import (
     sha256_file,
     write_manifest,
 )
+from specedge.runtime.onnx_file import LENGTH, VARINT, fields
 
 ENGINES_DIR = "engines"
 STANDARD_DOMAINS = ("", "ai.onnx")
@@ -107,39 +108,14 @@ class BuildReport:
 # ----------------------------------------------------------------------------- ONNX protobuf
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
 def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value) of one protobuf message: ints for varints, bytes for
     length-delimited fields (fixed-width fields are skipped)."""
-    pos = 0
-    while pos < len(buf):
-        tag, pos = _varint(buf, pos)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-            yield number, wire, value
-        elif wire == 2:
-            n, pos = _varint(buf, pos)
-            if pos + n > len(buf):
-                raise ValueError("a field runs past its message")
-            yield number, wire, buf[pos:pos + n]
-            pos += n
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
+    for number, wire, a, b in fields(buf):
+        if wire == VARINT:
+            yield number, wire, a
+        elif wire == LENGTH:
+            yield number, wire, buf[a:b]
 
 
 def _graph(path: Path) -> bytes:

@@ -50,6 +50,7 @@ import onnxruntime as ort
 
 from .errors import InputError, ManifestError, ModelError
 from .manifest import MANIFEST_NAME, ModelSpec, confine
+from .onnx_file import external_data_files
 from .rowprobe import RowProbe
 from .shortlist import SplitHead
 
@@ -331,86 +332,7 @@ def graph_run_options(graph_id: int | None) -> ort.RunOptions | None:
     return options
 
 
-
 # ----------------------------------------------------------------------------- model files
-
-# Where TensorProtos can sit in an ONNX ModelProto (field numbers from onnx.proto3); a tensor's
-# external data is its field 13 (key/value entries, "location" among them).
-_ONNX_CHILDREN: dict[str, dict[int, str]] = {
-    "model": {7: "graph", 20: "training", 25: "function"},
-    "training": {1: "graph", 2: "graph"},
-    "graph": {1: "node", 5: "tensor", 15: "sparse"},
-    "node": {5: "attribute"},
-    "function": {7: "node", 11: "attribute"},
-    "attribute": {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse",
-                  23: "sparse"},
-    "sparse": {1: "tensor", 2: "tensor"},
-    "tensor": {13: "entry"},
-    "entry": {},
-}
-
-
-def _varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def external_data_files(path: Path) -> set[str]:
-    """The external-data locations named by the tensors of an ONNX file (as written in it).
-
-    A small protobuf walk over the messages that can hold tensors (graphs, nodes, attributes,
-    functions, sparse tensors, subgraphs); tensor payloads are skipped, never read.
-
-    Raises:
-        ValueError: the file is not a well-formed protobuf.
-    """
-    import mmap
-
-    locations: set[str] = set()
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size == 0:
-            raise ValueError("empty file")
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            stack: list[tuple[str, int, int]] = [("model", 0, size)]
-            while stack:
-                kind, pos, end = stack.pop()
-                children = _ONNX_CHILDREN[kind]
-                key = value = None
-                while pos < end:
-                    tag, pos = _varint(buf, pos, end)
-                    field, wire = tag >> 3, tag & 7
-                    if wire == 0:
-                        _, pos = _varint(buf, pos, end)
-                    elif wire == 1:
-                        pos += 8
-                    elif wire == 5:
-                        pos += 4
-                    elif wire == 2:
-                        n, pos = _varint(buf, pos, end)
-                        if pos + n > end:
-                            raise ValueError("a field runs past its message")
-                        if kind == "entry" and field in (1, 2):
-                            text = bytes(buf[pos:pos + n]).decode("utf-8")
-                            key, value = (text, value) if field == 1 else (key, text)
-                        elif field in children:
-                            stack.append((children[field], pos, pos + n))
-                        pos += n
-                    else:
-                        raise ValueError(f"unsupported wire type {wire}")
-                if pos != end:
-                    raise ValueError("a message runs past its end")
-                if kind == "entry" and key == "location" and value is not None:
-                    locations.add(value)
-    return locations
 
 
 def available_memory(device: str) -> int | None:
