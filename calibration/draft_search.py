@@ -35,8 +35,8 @@ from specedge.exporter.pair import (
     ExportOptions,
     check_output,
     export_pair,
-    replace_folder,
     require_modules,
+    staged_folder,
 )
 from specedge.exporter.quantize import QuantSettings, run_isolated
 from specedge.runtime.errors import InputError
@@ -262,14 +262,13 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
                                  "rows": {str(k): r for k, r in c.rows.items()}}
                                 for c in candidates]}
         manifest = read_manifest(winner.folder)
-        final = work / "final"
-        copy_pair(winner.folder, final, hardlink=True)
-        write_manifest(replace(manifest, root=final,
-                               defaults=Defaults(drafter=winner.drafter, num_draft_tokens=k,
-                                                 adaptive=manifest.defaults.adaptive),
-                               provenance={**manifest.provenance, "draft_search": table}),
-                       final)
-        replace_folder(final, out)
+        with staged_folder(out) as final:
+            copy_pair(winner.folder, final, hardlink=True)
+            write_manifest(replace(manifest, root=final,
+                                   defaults=Defaults(drafter=winner.drafter, num_draft_tokens=k,
+                                                     adaptive=manifest.defaults.adaptive),
+                                   provenance={**manifest.provenance, "draft_search": table}),
+                           final)
         return table
     finally:
         shutil.rmtree(work, ignore_errors=True)

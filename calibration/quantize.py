@@ -11,14 +11,13 @@ manifest records the method.
 from __future__ import annotations
 
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from specedge.exporter.pair import check_output, disk_error, replace_folder, require_modules
+from specedge.exporter.pair import check_output, require_modules, staged_folder
 from specedge.exporter.quantize import CALIBRATED, HISTOGRAM, METHODS, QuantSettings, run_isolated
 from specedge.runtime.errors import InputError
 from specedge.runtime.manifest import (
@@ -92,8 +91,7 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
                  if f[spec.input_ids].shape[1] == 1]
     say(f"{len(feeds)} calibration inputs from {len(token_lists)} texts" if feeds else
         "no calibration data needed")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:
         copy_pair(opts.pair, tmp)
         folder = tmp / Path(spec.path).parent
         shutil.rmtree(folder)
@@ -114,16 +112,6 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
                                "data": str(opts.data_file or "built-in sample")}})
         manifest = replace(source, root=tmp, **{opts.model: new_spec})
         write_manifest(manifest, tmp)
-        replace_folder(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        error = disk_error(exc, out)
-        if error is None:
-            raise
-        raise error from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

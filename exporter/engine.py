@@ -503,17 +503,12 @@ def build_engines(opts: EngineOptions, progress: Callable[[str], None] | None = 
             raise InputError(f"{out}: already lists TensorRT engines ({built}); pass --force "
                              "to rebuild them here")
         return _build_into(manifest, out, opts, profiles, key, say, compile_fn)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    from .pair import staged_folder
+
+    with staged_folder(out) as stage:
         copy_pair(manifest.root, stage)
         staged = dataclasses.replace(load_manifest(stage, verify_hashes=False), engines={})
         report = _build_into(staged, stage, opts, profiles, key, say, compile_fn)
-        from .pair import make_readable, replace_folder
-
-        make_readable(stage)
-        replace_folder(stage, out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     return dataclasses.replace(report, folder=out)
 
 

@@ -22,7 +22,8 @@ import resource
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,27 @@ def disk_error(exc: OSError, out: Path) -> OutputError | None:
                        "behind: free some space or choose another --output")
 
 
+@contextmanager
+def staged_folder(out: Path) -> Iterator[Path]:
+    """A new folder beside `out` for a pair being written; it replaces `out` (`replace_folder`)
+    when the block ends and is removed when it raises, so `out` is either complete or as it was.
+
+    Raises:
+        OutputError: the disk is full or read-only (nothing is left behind).
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        replace_folder(tmp, out)
+    except OSError as exc:
+        error = disk_error(exc, out)
+        if error is None:
+            raise
+        raise error from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _check_output(opts: ExportOptions) -> Path:
     return check_output(opts.output, force=opts.force,
                         inputs=[opts.target, opts.draft, opts.chat_template])
@@ -369,75 +391,67 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
     if opts.chat_template is not None:
         sources.read_chat_template(opts.chat_template)  # a bad file fails now, not at the end
     require_modules("export")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        work = Path(tempfile.mkdtemp(prefix="specedge-export-"))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        say("resolving the target")
-        target_src = sources.resolve(opts.target, work, "target")
-        draft_src: sources.Source | None = None
-        draft_precision = opts.draft_precision
-        if opts.draft is not None:
-            say("resolving the draft")
-            draft_src = sources.resolve(opts.draft, work, "draft")
-            draft_precision = draft_precision or "fp32"
-        elif draft_precision is not None:
-            draft_src = target_src  # self-draft: the same model at another precision
-        if draft_src is not None and draft_src.folder != target_src.folder:
-            sources.check_same_vocab(target_src.folder, draft_src.folder)
-        say(f"exporting the target ({opts.precision})")
-        built = _export_model(target_src, opts.precision, "target", opts, tmp, work)
-        target = built.spec
-        draft = None
-        if draft_src is not None and draft_precision is not None:
-            say(f"exporting the draft ({draft_precision})")
-            # A self-draft of an fp32 target is quantized from the target's files.
-            reuse = built.graph if (
-                draft_src is target_src and target.precision == "fp32"
-                and draft_precision in quantize.EXPORT_METHODS
-                and not _builder_writes(draft_precision, opts)) else None
-            draft = _export_model(draft_src, draft_precision, "draft", opts, tmp, work,
-                                  fp32=reuse, say=say).spec
-            if draft.vocab_size != target.vocab_size:
-                raise ExportError(f"draft vocab_size {draft.vocab_size} != target vocab_size "
-                                  f"{target.vocab_size}; the models cannot form a pair")
-        tokenizer_files, template = sources.copy_tokenizer(target_src, tmp, opts.chat_template)
-        bos, eos, pad = sources.special_tokens(target_src.folder,
-                                               sources.read_config(target_src.folder))
-        if opts.validate:
-            say("validating against torch")
-            target, draft = _validate(tmp, target, draft, target_src, draft_src, opts.provider)
-        defaults = Defaults(drafter=opts.drafter or ("model" if draft else "ngram"),
-                            num_draft_tokens=opts.num_draft_tokens)
-        if opts.adaptive is not None:
-            defaults = dataclasses.replace(defaults, adaptive=opts.adaptive)
-        manifest = PairManifest(
-            root=out, target=target, draft=draft, vocab_size=target.vocab_size,
-            bos_token_id=bos, eos_token_ids=tuple(eos), pad_token_id=pad,
-            tokenizer_files=tokenizer_files, defaults=defaults,
-            provenance={"specedge": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                          time.gmtime()),
-                        "provider": opts.provider, "chat_template": template},
-        )
-        write_manifest(manifest, tmp)
-        replace_folder(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        error = disk_error(exc, out)
-        if error is None:
-            raise
-        raise error from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with staged_folder(out) as tmp, \
+            tempfile.TemporaryDirectory(prefix="specedge-export-",
+                                        ignore_cleanup_errors=True) as work:
+        manifest = _export_into(opts, out, tmp, Path(work), say)
     peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
     return ExportReport(out, manifest, time.perf_counter() - start, peak)
+
+
+def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
+                 say: Callable[[str], None]) -> PairManifest:
+    """Export the pair of `opts` into the staging folder `tmp` (`work`: scratch space) and
+    write its manifest; returns it (its root `out`, where the pair goes next)."""
+    say("resolving the target")
+    target_src = sources.resolve(opts.target, work, "target")
+    draft_src: sources.Source | None = None
+    draft_precision = opts.draft_precision
+    if opts.draft is not None:
+        say("resolving the draft")
+        draft_src = sources.resolve(opts.draft, work, "draft")
+        draft_precision = draft_precision or "fp32"
+    elif draft_precision is not None:
+        draft_src = target_src  # self-draft: the same model at another precision
+    if draft_src is not None and draft_src.folder != target_src.folder:
+        sources.check_same_vocab(target_src.folder, draft_src.folder)
+    say(f"exporting the target ({opts.precision})")
+    built = _export_model(target_src, opts.precision, "target", opts, tmp, work)
+    target = built.spec
+    draft = None
+    if draft_src is not None and draft_precision is not None:
+        say(f"exporting the draft ({draft_precision})")
+        # A self-draft of an fp32 target is quantized from the target's files.
+        reuse = built.graph if (
+            draft_src is target_src and target.precision == "fp32"
+            and draft_precision in quantize.EXPORT_METHODS
+            and not _builder_writes(draft_precision, opts)) else None
+        draft = _export_model(draft_src, draft_precision, "draft", opts, tmp, work,
+                              fp32=reuse, say=say).spec
+        if draft.vocab_size != target.vocab_size:
+            raise ExportError(f"draft vocab_size {draft.vocab_size} != target vocab_size "
+                              f"{target.vocab_size}; the models cannot form a pair")
+    tokenizer_files, template = sources.copy_tokenizer(target_src, tmp, opts.chat_template)
+    bos, eos, pad = sources.special_tokens(target_src.folder,
+                                           sources.read_config(target_src.folder))
+    if opts.validate:
+        say("validating against torch")
+        target, draft = _validate(tmp, target, draft, target_src, draft_src, opts.provider)
+    defaults = Defaults(drafter=opts.drafter or ("model" if draft else "ngram"),
+                        num_draft_tokens=opts.num_draft_tokens)
+    if opts.adaptive is not None:
+        defaults = dataclasses.replace(defaults, adaptive=opts.adaptive)
+    manifest = PairManifest(
+        root=out, target=target, draft=draft, vocab_size=target.vocab_size,
+        bos_token_id=bos, eos_token_ids=tuple(eos), pad_token_id=pad,
+        tokenizer_files=tokenizer_files, defaults=defaults,
+        provenance={"specedge": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                      time.gmtime()),
+                    "provider": opts.provider, "chat_template": template},
+    )
+    write_manifest(manifest, tmp)
+    return manifest
 
 
 def _validate(tmp: Path, target: ModelSpec, draft: ModelSpec | None,
