@@ -12,11 +12,12 @@ of the cache each call; it exists for graphs the GQA builder cannot produce.
 On a GPU only what the host needs leaves the device. Greedy verification (`forward_argmax`,
 `forward_rows_greedy`) runs a tiny shipped graph (`GreedyHead`, `data/greedy_head_*.onnx`) on the
 logits where the model wrote them and copies back token ids (and the logits rows of sampled rows
-only). With `SessionConfig.cuda_graph` every step of up to `MAX_FIXED_WIDTH` tokens runs on
-buffers fixed per cache and width (`FixedBuffers`: the attention mask spans the whole cache, so
-its shape never changes), each width is captured once as a CUDA graph (`gpu_graph_id`) and
-replayed, and the buffers are pooled per (rows, length) so later generations replay the same
-graphs. Both give the tokens of the plain path; on the CPU both run too (tests), without capture.
+only). With `SessionConfig.cuda_graph` every step of up to `MAX_FIXED_WIDTH` tokens runs on buffers
+fixed per cache and width (`FixedBuffers`: the attention mask spans the whole cache, so its shape
+never changes), each width is captured once as a CUDA graph (`gpu_graph_id`, after
+`GRAPH_WARMUP_RUNS` plain runs at its shapes) and replayed, and the buffers are pooled per (rows,
+length) so later generations replay the same graphs. Both give the tokens of the plain path; on the
+CPU both run too (tests), without capture.
 
 The model files are untrusted: before ONNX Runtime opens a model, the external-data files the
 ONNX protobuf names are read from it (`external_data_files`) and must be files the manifest lists
@@ -332,6 +333,9 @@ def graph_run_options(graph_id: int | None) -> ort.RunOptions | None:
     return options
 
 
+_NO_GRAPH_OPTIONS = graph_run_options(NO_GRAPH)
+
+
 # ----------------------------------------------------------------------------- model files
 
 
@@ -456,6 +460,7 @@ class KVCache:
 
 _NO_ROWS = np.zeros(0, np.int64)
 MAX_FIXED_WIDTH = 16  # widest step run on fixed buffers (a graph each); wider: plain runs
+GRAPH_WARMUP_RUNS = 2  # plain runs of a width before its CUDA graph is captured (ORT's minimum)
 
 
 class FixedStep:
@@ -484,6 +489,18 @@ class FixedStep:
         self.binding.bind_ortvalue_output(spec.logits, self.logits)
         self.graph_id = graph_id
         self.run_options = graph_run_options(graph_id)
+        # Runs left before this width's graph is captured: ONNX Runtime's CUDA EP counts its
+        # warm-up runs per thread, not per graph id (1.31's PerThreadContext), so without these
+        # a new width would be captured on its first run at new shapes, when its kernels may
+        # still allocate (flash attention's scratch, the memory pattern): not allowed in capture.
+        self.warmup = GRAPH_WARMUP_RUNS if graph_id is not None else 0
+
+    def next_run_options(self) -> ort.RunOptions | None:
+        """The run options for this step's next run: out of capture while it warms up."""
+        if self.warmup:
+            self.warmup -= 1
+            return _NO_GRAPH_OPTIONS
+        return self.run_options
 
 
 class FixedBuffers:
@@ -1067,7 +1084,7 @@ class OrtModel:
             binding.bind_cpu_input(self.spec.position_ids, self._positions(cache, width))
         # A session with CUDA graphs must be told that this run (a prefill, a batch's first
         # call or a wide block) is neither captured nor replayed.
-        options = graph_run_options(NO_GRAPH) if self.config.cuda_graph else None
+        options = _NO_GRAPH_OPTIONS if self.config.cuda_graph else None
         if self.config.provider == "cpu":
             # Write the logits into a host buffer kept per shape: no per-call allocation, and no
             # Python wrappers for the 2 * layers present outputs (get_outputs would build them).
@@ -1099,7 +1116,7 @@ class OrtModel:
         fixed.mask.update_inplace(fixed.mask_host)
         if step.positions is not None:
             step.positions.update_inplace(self._positions(cache, tokens.shape[1]))
-        self.session.run_with_iobinding(step.binding, step.run_options)
+        self.session.run_with_iobinding(step.binding, step.next_run_options())
         return step.logits
 
     def _run_concat(self, cache: KVCache, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
