@@ -262,6 +262,24 @@ def fallback_message(asked: str, ran_on: Sequence[str], what: str, reason: str =
                   "CUDA or cuDNN libraries), or use --providers cpu")
 
 
+def cuda_attention_problem(spec: ModelSpec, config: SessionConfig) -> tuple[bool, str] | None:
+    """Whether a gqa-shared model of float32 activations can run on `config`'s CUDA provider:
+    ONNX Runtime's CUDA GroupQueryAttention takes float16 and bfloat16 only, so its attention
+    (and the whole KV cache, every call) would go to the CPU. (True, message): an error (CUDA
+    graphs cannot capture a graph split between devices); (False, message): a warning; None:
+    fine. One line, naming the export that fixes it."""
+    if config.provider != "cuda" or spec.graph != "gqa-shared" or spec.kv.dtype != "float32":
+        return None
+    fix = ("export it for the GPU (`specedge export ... --provider cuda --precision fp16`, e.g. "
+           "models/smollm2-135m-gpu.sh) or run it with --providers cpu")
+    if config.cuda_graph:
+        return True, (f"{spec.path}: CUDA graphs need every node on the GPU, but this fp32 "
+                      "model's GroupQueryAttention has no CUDA kernel (fp16/bf16 only); " + fix)
+    return False, (f"{spec.path}: this fp32 model's GroupQueryAttention has no CUDA kernel "
+                   "(fp16/bf16 only), so its attention and KV cache cross to the CPU on every "
+                   "call (slow); " + fix)
+
+
 def _first_line(exc: BaseException) -> str:
     """The first line of an ONNX Runtime error, without its C++ source location and function
     signature (`/onnxruntime_src/...cc:729 void f(A&, B&) Please install ...`)."""
@@ -604,8 +622,13 @@ class OrtModel:
                 rel = spec.path
                 path = root / rel
         self._out = (spec.logits, 0) if head is None else (head.hidden, head.hidden_size)
+        problem = cuda_attention_problem(spec, config)
+        if problem is not None and problem[0]:
+            raise InputError(problem[1])
         self.session = start_session(path, config, f"the {name} model",
                                      "the file may be truncated or corrupt: re-export the pair")
+        if problem is not None:  # after the start: where CUDA does not start, that error alone
+            log.warning("%s", problem[1])
         if config.fixed and spec.graph != "gqa-shared":
             raise InputError(
                 f"{path}: fixed buffers and CUDA graphs need a gqa-shared model (the KV cache "
@@ -990,8 +1013,8 @@ class OrtModel:
         if self.spec.graph != "concat":
             raise InputError(
                 f"{self.spec.path}: batched speculative decoding needs a concat-form graph (ONNX "
-                "Runtime's CPU GroupQueryAttention takes one row when several tokens follow a "
-                "past); export the pair with --graph concat")
+                "Runtime's GroupQueryAttention, CPU and CUDA, takes one row when several tokens "
+                "follow a past); export the pair with --graph concat")
         rows = np.asarray(rows, dtype=np.int64)
         new_lens = np.asarray(new_lens, dtype=np.int64)
         count, width = tokens.shape

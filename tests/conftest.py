@@ -78,6 +78,12 @@ def tiny_pair_dir(fixtures_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def concat_dir(fixtures_dir: Path) -> Path:
+    """The tiny pair exported in the concat graph form (batched speculation)."""
+    return fixtures_dir / "tiny-llama-concat"
+
+
+@pytest.fixture(scope="session")
 def tiny_pair(tiny_pair_dir: Path):  # noqa: ANN201
     from specedge.runtime.pair import Pair
 

@@ -18,11 +18,6 @@ def runner() -> CliRunner:
     return CliRunner()
 
 
-@pytest.fixture(scope="module")
-def concat_dir(fixtures_dir: Path) -> Path:
-    return fixtures_dir / "tiny-llama-concat"
-
-
 def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path) -> None:
     rows = [{"prompt": "Hi there", "max_new_tokens": 5},
             {"prompt": "def add(a, b): return a + b " * 4, "max_new_tokens": 17},

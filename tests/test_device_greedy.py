@@ -158,11 +158,6 @@ def test_device_argmax_refuses_nan_logits(tiny_pair_dir: Path) -> None:
 # ----------------------------------------------------------------------------- batches
 
 
-@pytest.fixture(scope="module")
-def concat_dir(fixtures_dir: Path) -> Path:
-    return fixtures_dir / "tiny-llama-concat"
-
-
 def test_device_argmax_batches_equal_batch1(concat_dir: Path) -> None:
     off = Pair.load(concat_dir)
     on = _with(concat_dir, device_argmax=True)

@@ -128,11 +128,6 @@ def pair_copy(tiny_pair_dir: Path, tmp_path: Path) -> Path:
     return copy_pair(tiny_pair_dir, tmp_path / "pair")
 
 
-@pytest.fixture(scope="module")
-def concat_dir(fixtures_dir: Path) -> Path:
-    return fixtures_dir / "tiny-llama-concat"
-
-
 # ============================================================================= security
 
 

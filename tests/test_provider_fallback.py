@@ -131,3 +131,35 @@ def test_a_broken_file_on_a_gpu_provider_is_still_a_broken_file(
     bad.write_bytes(b"not an onnx file")
     with pytest.raises(ModelError, match="could not load the target model .*; re-export"):
         start_session(bad, SessionConfig(provider="cuda"), "the target model", "re-export")
+
+
+def test_fp32_group_query_attention_on_cuda(tiny_pair_dir: Path, concat_dir: Path) -> None:
+    """ONNX Runtime's CUDA GroupQueryAttention takes fp16/bf16 only: an fp32 gqa-shared model on
+    CUDA would send its attention and KV cache to the CPU every call (a warning), and CUDA
+    graphs cannot capture it at all (an error before the session, not "CUDA could not start")."""
+    import dataclasses
+
+    from specedge.runtime.backend import SessionConfig, cuda_attention_problem
+    from specedge.runtime.manifest import load_manifest
+
+    spec = load_manifest(tiny_pair_dir).target
+    assert spec.graph == "gqa-shared" and spec.kv.dtype == "float32"
+    assert cuda_attention_problem(spec, SessionConfig()) is None
+    warn = cuda_attention_problem(spec, SessionConfig(provider="cuda"))
+    assert warn is not None and not warn[0] and "--precision fp16" in warn[1]
+    error = cuda_attention_problem(spec, SessionConfig(provider="cuda", cuda_graph=True))
+    assert error is not None and error[0] and "CUDA graphs" in error[1]
+    fp16 = dataclasses.replace(spec, kv=dataclasses.replace(spec.kv, dtype="float16"))
+    assert cuda_attention_problem(fp16, SessionConfig(provider="cuda", cuda_graph=True)) is None
+    concat = load_manifest(concat_dir).target
+    assert cuda_attention_problem(concat, SessionConfig(provider="cuda")) is None
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")
+def test_cuda_graphs_refuse_an_fp32_gqa_model_in_one_line(tiny_pair_dir: Path,
+                                                          cuda_claimed: None) -> None:
+    result = CliRunner().invoke(main, ["generate", str(tiny_pair_dir), "hi", "--max-new-tokens",
+                                       "4", "--providers", "cuda", "--cuda-graph"])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GroupQueryAttention has no CUDA kernel" in lines[0], lines
