@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from .device_kv import DeviceKV, KVOps
 from .errors import InputError, ManifestError, ModelError
 from .manifest import MANIFEST_NAME, ModelSpec, confine
 from .onnx_file import external_data_files
@@ -60,7 +61,7 @@ PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+_NP_DTYPES: dict[str, type[np.generic]] = {"float32": np.float32, "float16": np.float16}
 THREADS_PER_CORE = 4  # more intra-op threads than this per core only adds contention
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,10 @@ class SessionConfig:
             and width, and the attention mask at the cache's full length (the fixed addresses and
             shapes a CUDA graph replays). Implied by `cuda_graph`; on its own it runs the same
             steps without graphs (how the CPU tests check the layout token for token).
+        device_kv: keep a concat-form model's KV cache on its device and move rows there
+            (`runtime/device_kv`); None: on for cuda / tensorrt, off for cpu (where numpy
+            gathers and scatters the rows without extra session runs). The tokens are the same
+            either way. gqa-shared caches are on the device always.
         split_head: where the exporter split the model's head off its body (manifest `head`),
             run the body and take greedy argmaxes from the int8 shortlist (`runtime/shortlist`)
             and logits from the head alone. Used on the CPU with gqa-shared models on plain
@@ -124,6 +129,7 @@ class SessionConfig:
     device_argmax: bool | None = None
     cuda_graph: bool = False
     fixed_buffers: bool = False
+    device_kv: bool | None = None
     split_head: bool = True
 
     def __post_init__(self) -> None:
@@ -158,6 +164,11 @@ class SessionConfig:
     def argmax_on_device(self) -> bool:
         """Whether greedy verification runs the greedy head where the logits are."""
         return self.provider != "cpu" if self.device_argmax is None else self.device_argmax
+
+    @property
+    def kv_on_device(self) -> bool:
+        """Whether a concat-form model's KV cache lives on its device (`device_kv`)."""
+        return self.provider != "cpu" if self.device_kv is None else self.device_kv
 
     @property
     def fixed(self) -> bool:
@@ -385,9 +396,10 @@ def _gib(n: float) -> str:
 
 
 def _allocate_kv(model: OrtModel, batch: int, max_len: int
-                 ) -> tuple[list[np.ndarray], list[ort.OrtValue]]:
-    """A model's KV buffers for `batch` rows of `max_len` tokens: host arrays (concat form) or
-    OrtValues on the model's device (gqa-shared).
+                 ) -> tuple[list[np.ndarray], list[ort.OrtValue], DeviceKV | None]:
+    """A model's KV buffers for `batch` rows of `max_len` tokens: OrtValues on the model's
+    device (gqa-shared), or for the concat form one `DeviceKV` on the model's device
+    (`SessionConfig.kv_on_device`) or host arrays.
 
     Raises:
         InputError: they would not fit the memory available.
@@ -406,7 +418,13 @@ def _allocate_kv(model: OrtModel, batch: int, max_len: int
         )
     host: list[np.ndarray] = []
     values: list[ort.OrtValue] = []
+    ops = model.kv_ops() if spec.graph == "concat" and model.config.kv_on_device else None
     try:
+        if ops is not None:
+            return host, values, DeviceKV(
+                ops, layers=spec.num_layers, heads=spec.num_kv_heads,
+                head_dim=spec.head_dim, batch=batch, max_len=max_len, dtype=dtype,
+                device=model.config.device, device_id=model.config.device_id)
         for _ in range(2 * spec.num_layers):
             if spec.graph == "gqa-shared":
                 values.append(ort.OrtValue.ortvalue_from_shape_and_type(
@@ -420,7 +438,7 @@ def _allocate_kv(model: OrtModel, batch: int, max_len: int
             f"({batch} row(s) x {max_len} tokens: {first}); ask for fewer new tokens (or "
             "rows), or free memory"
         ) from None
-    return host, values
+    return host, values, None
 
 
 class KVCache:
@@ -444,6 +462,7 @@ class KVCache:
         self.fed = np.zeros((batch, max_len), dtype=np.int64)
         self.host: list[np.ndarray] = []
         self.values: list[ort.OrtValue] = []
+        self.device_kv: DeviceKV | None = None
         self._fixed: FixedBuffers | None = None
         if model.config.fixed if fixed is None else fixed:
             self._fixed = model._take_fixed(batch, max_len)
@@ -455,7 +474,8 @@ class KVCache:
         self._bound: tuple[int, int, int] | None = None  # the logits shape bound on _binding
 
     def _allocate(self) -> None:
-        self.host, self.values = _allocate_kv(self.model, self.batch, self.max_len)
+        self.host, self.values, self.device_kv = _allocate_kv(self.model, self.batch,
+                                                              self.max_len)
 
     def __del__(self) -> None:
         fixed = getattr(self, "_fixed", None)
@@ -647,6 +667,7 @@ class OrtModel:
         # Fixed buffers not in use, per (batch, max_len), and the next CUDA graph id.
         self._pool: dict[tuple[int, int], list[FixedBuffers]] = {}
         self._graph_ids = itertools.count(1)
+        self._kv_ops: KVOps | None = None
         self._check_io()
         self.head = (GreedyHead(config, spec.logits_dtype, self.logits_size)
                      if config.argmax_on_device else None)
@@ -818,6 +839,15 @@ class OrtModel:
     def _take_fixed(self, batch: int, max_len: int) -> FixedBuffers:
         free = self._pool.get((batch, max_len))
         return free.pop() if free else FixedBuffers(self, batch, max_len)
+
+    def kv_ops(self) -> KVOps:
+        """The graphs that move a concat-form cache's rows on the device (made once)."""
+        if self._kv_ops is None:
+            own = replace(self.config, intra_op_threads=0 if global_pool_active() else 1,
+                          cuda_graph=False, fixed_buffers=False, device_argmax=False)
+            self._kv_ops = KVOps(self.spec.kv.dtype, lambda path, what: start_session(
+                path, own, what, "reinstall specedge, or run the pair with device_kv off"))
+        return self._kv_ops
 
     def _give_back(self, fixed: FixedBuffers) -> None:
         self._pool.setdefault((fixed.batch, fixed.max_len), []).append(fixed)
@@ -1043,18 +1073,22 @@ class OrtModel:
             # a longer block).
             positions = lengths[:, None] + np.arange(width)[None, :]
             feeds[self.spec.position_ids] = np.minimum(positions, self.spec.max_seq_len - 1)
-        for (name, _), buf in zip(self._kv_names, cache.host, strict=True):
-            feeds[name] = buf[rows, :, :past]  # fancy indexing: a contiguous copy
         try:
-            logits, presents = self._run_rows(feeds)
+            if cache.device_kv is not None:
+                logits: ort.OrtValue | np.ndarray = self._run_device_kv(
+                    cache.device_kv, rows, feeds, lengths, new_lens, past, width)
+            else:
+                for (name, _), buf in zip(self._kv_names, cache.host, strict=True):
+                    feeds[name] = buf[rows, :, :past]  # fancy indexing: a contiguous copy
+                logits, presents = self._run_rows(feeds)
+                for buf, present in zip(cache.host, presents, strict=True):
+                    for i, row in enumerate(rows):
+                        start, n = lengths[i], new_lens[i]
+                        buf[row, :, start:start + n] = present[i, :, past:past + n]
         except Exception as exc:  # onnxruntime raises its own exception types
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ModelError(f"the {self.name} model ({self.spec.path}) failed to run "
                              f"({first[:300]}); re-export the pair") from None
-        for buf, present in zip(cache.host, presents, strict=True):
-            for i, row in enumerate(rows):
-                start, n = lengths[i], new_lens[i]
-                buf[row, :, start:start + n] = present[i, :, past:past + n]
         for i, row in enumerate(rows):
             cache.fed[row, lengths[i]:lengths[i] + new_lens[i]] = tokens[i, :new_lens[i]]
         cache.lengths[rows] = lengths + new_lens
@@ -1082,6 +1116,22 @@ class OrtModel:
         self.session.run_with_iobinding(binding)
         values = binding.get_outputs()  # in binding order: the presents, then the logits
         return values[-1], [np.array(v.numpy()) for v in values[:-1]]
+
+    def _run_device_kv(self, kv: DeviceKV, rows: np.ndarray, feeds: dict[str, Any],
+                       lengths: np.ndarray, new_lens: np.ndarray, past: int, width: int
+                       ) -> ort.OrtValue:
+        """One concat-form run on a cache kept on the device (`runtime/device_kv`): the rows'
+        pasts gathered and bound there, the new positions scattered back in place; the logits
+        stay on the device."""
+        binding = self.session.io_binding()
+        for name, arr in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(arr))
+        kv.bind(binding, self._kv_names, rows, past)
+        kv.bind_presents(binding, self._kv_names, len(rows), past, width)
+        binding.bind_output(self.spec.logits, self.config.device, self.config.device_id)
+        self.session.run_with_iobinding(binding)
+        kv.commit(rows, lengths, new_lens)
+        return binding.get_outputs()[-1]  # in binding order: the presents, then the logits
 
     def _positions(self, cache: KVCache, new: int) -> np.ndarray:
         return cache.lengths[:, None] + np.arange(new, dtype=np.int64)[None, :]
@@ -1142,7 +1192,8 @@ class OrtModel:
         self.session.run_with_iobinding(step.binding, step.next_run_options())
         return step.logits
 
-    def _run_concat(self, cache: KVCache, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def _run_concat(self, cache: KVCache, tokens: np.ndarray, mask: np.ndarray
+                    ) -> ort.OrtValue | np.ndarray:
         past_len = int(cache.lengths.max())
         if (cache.lengths != past_len).any():
             raise InputError("concat-form graphs need equal row lengths; use a gqa-shared pair")
@@ -1150,6 +1201,10 @@ class OrtModel:
                                  self.spec.attention_mask: mask}
         if self.spec.position_ids:
             feeds[self.spec.position_ids] = self._positions(cache, tokens.shape[1])
+        if cache.device_kv is not None:
+            rows, new = np.arange(cache.batch), tokens.shape[1]
+            return self._run_device_kv(cache.device_kv, rows, feeds, cache.lengths,
+                                       np.full(cache.batch, new, np.int64), past_len, new)
         for (past, _), buf in zip(self._kv_names, cache.host, strict=True):
             feeds[past] = np.ascontiguousarray(buf[:, :, :past_len])
         names = [self.spec.logits] + [present for _, present in self._kv_names]

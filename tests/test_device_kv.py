@@ -1,0 +1,106 @@
+"""A concat-form KV cache kept on the model's device (`runtime/device_kv.py`): the rows are
+gathered and scattered there by two shipped graphs instead of numpy. On the CPU the same code
+runs with host buffers (`SessionConfig.device_kv=True`), and every logit equals the numpy path's
+bit for bit: ragged rows, subsets of rows, rollbacks, rows at the context limit, batch-1 and
+batched generation, greedy and seeded sampling."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specedge.runtime.device_kv import DeviceKV
+from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
+from specedge.runtime.sampling import SamplingParams
+
+PROMPTS = ["the quick brown fox", "a b c d e f g a b c", "once upon a time there was",
+           "numbers 1 2 3 4 5 6 7 8", "hi"]
+
+
+@pytest.fixture(scope="module")
+def on_device(concat_dir: Path) -> Pair:
+    plan = plan_threads()
+    return Pair.load(concat_dir, plan=ThreadPlan(replace(plan.target, device_kv=True),
+                                                 replace(plan.draft, device_kv=True)))
+
+
+@pytest.fixture(scope="module")
+def on_host(concat_dir: Path) -> Pair:
+    return Pair.load(concat_dir)
+
+
+def test_the_switch(on_device: Pair, on_host: Pair) -> None:
+    cache = on_device.target.new_cache(2, 16)
+    assert isinstance(cache.device_kv, DeviceKV) and not cache.host
+    assert on_host.target.new_cache(2, 16).device_kv is None
+    assert not on_host.target.config.kv_on_device  # the CPU default
+
+
+def test_ragged_rows_equal_the_numpy_path_bit_for_bit(on_device: Pair, on_host: Pair) -> None:
+    rng = np.random.default_rng(0)
+    vocab = on_host.target.logits_size
+    a, b = on_device.target.new_cache(4, 24), on_host.target.new_cache(4, 24)
+    assert a.max_len == b.max_len == 24
+    calls = [  # (rows, new tokens per row, block width)
+        ([0, 1, 2, 3], [5, 2, 7, 1], 7),   # ragged prefills
+        ([1, 3], [3, 1], 3),               # a subset of the rows
+        ([0, 1, 2, 3], [1, 1, 1, 1], 1),   # a decode step
+        ([2, 0], [4, 2], 4),               # rows out of order
+    ]
+    for rows, lens, width in calls:
+        tokens = rng.integers(0, vocab, (len(rows), width))
+        args = (np.array(rows), tokens, np.array(lens))
+        assert np.array_equal(on_device.target.forward_rows(a, *args),
+                              on_host.target.forward_rows(b, *args))
+        assert np.array_equal(a.lengths, b.lengths)
+    a.rollback(np.array([3, 2, 9, 1]))
+    b.rollback(np.array([3, 2, 9, 1]))
+    # Row 2 ends at the context limit (9 + 15 = 24) beside rows with a shorter block: their
+    # padding goes to the bin slot, never past the cache.
+    tokens = rng.integers(0, vocab, (4, 15))
+    args = (np.arange(4), tokens, np.array([2, 15, 15, 3]))
+    assert np.array_equal(on_device.target.forward_rows(a, *args),
+                          on_host.target.forward_rows(b, *args))
+    args = (np.array([0, 3]), tokens[:2, :2], np.array([2, 1]))
+    assert np.array_equal(on_device.target.forward_rows(a, *args),
+                          on_host.target.forward_rows(b, *args))
+
+
+@pytest.mark.parametrize("cfg", [
+    GenerationConfig(max_new_tokens=24, drafter="none"),
+    GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=3),
+    GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=4, adaptive=True),
+    GenerationConfig(max_new_tokens=24, drafter="ngram", num_draft_tokens=3),
+], ids=["target-only", "K=3", "adaptive", "ngram"])
+def test_greedy_generation_is_unchanged(on_device: Pair, on_host: Pair,
+                                        cfg: GenerationConfig) -> None:
+    alone = [on_host.generate_ids(on_host.encode_prompt(p), cfg)[0] for p in PROMPTS]
+    assert [on_device.generate_ids(on_device.encode_prompt(p), cfg)[0]
+            for p in PROMPTS] == alone
+    assert [r.tokens for r in on_device.generate_batch(PROMPTS, cfg).results] == alone
+
+
+def test_seeded_sampling_is_unchanged(on_device: Pair, on_host: Pair) -> None:
+    cfg = GenerationConfig(max_new_tokens=20, drafter="model", num_draft_tokens=3,
+                           sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=11))
+    a = [r.tokens for r in on_device.generate_batch(PROMPTS, cfg).results]
+    assert a == [r.tokens for r in on_host.generate_batch(PROMPTS, cfg).results]
+
+
+@pytest.mark.export
+def test_shipped_graphs_are_the_scripts(tmp_path: Path) -> None:
+    """runtime/data/kv_*.onnx are what scripts/make_kv_rows_onnx.py writes (no drift)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_kv", root / "scripts/make_kv_rows_onnx.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(tmp_path)
+    for made in sorted(tmp_path.glob("kv_*.onnx")):
+        assert made.read_bytes() == (root / "runtime" / "data" / made.name).read_bytes(), made
+    assert len(list(tmp_path.glob("kv_*.onnx"))) == 4
