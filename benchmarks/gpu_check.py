@@ -753,12 +753,14 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str) -> None:
     the same batch), greedy rows against batch-1 target-only, and verify(B x (K+1)) /
     verify(B x 1)."""
     from specedge.runtime.batch_bench import measure_batch_costs
-    from specedge.runtime.pair import GenerationConfig, Pair
+    from specedge.runtime.pair import GenerationConfig
 
-    pair = Pair.load(info.folder, providers=plan.provider, verify_hashes=False)
+    # The KV cache on the device (the GPU default); the CPU smoke runs that same code path.
+    pair = load_variant(info.folder, plan, {"device_kv": True})
     result: dict[str, Any] = {"pair": str(info.folder), "provider": plan.provider,
                               "graph": pair.manifest.target.graph, "new_tokens": plan.batch_new,
-                              "ks": list(plan.batch_ks), "rows": {}, "notes": []}
+                              "ks": list(plan.batch_ks), "rows": {}, "notes": [],
+                              "device_kv": pair.target.config.kv_on_device}
     ids = prompt_ids(info, max(plan.batches))
     new = plan.batch_new
     target_only = GenerationConfig(max_new_tokens=new, drafter="none")
@@ -772,6 +774,7 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str) -> None:
                                                 adaptive=True)
     run_batch(pair, ids[:2], settings[list(settings)[-1]])  # warm-up
     alone: list[list[int]] = []  # batch-1 target-only outputs, the exactness reference
+    outputs: dict[tuple[int, str], list[list[int]]] = {}
     for batch in plan.batches:
         if plan.left() < (20 if not plan.smoke else 5):
             result["notes"].append(f"stopped before B={batch} (time)")
@@ -781,6 +784,7 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str) -> None:
         row: dict[str, Any] = {}
         for label, cfg in settings.items():
             outs, st = run_batch(pair, ids[:batch], cfg)
+            outputs[(batch, label)] = outs
             row[label] = {"tokens_per_s": st.tokens_per_s, "acceptance": st.acceptance_rate,
                           "rounds": st.rounds, "new_tokens": st.new_tokens,
                           "host_ms_per_round": 1000 * max(0.0, st.decode_s - st.draft_s
@@ -797,6 +801,23 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str) -> None:
         print(f"batch {info.name} B={batch}: " + ", ".join(
             f"{k} {v['tokens_per_s']:.0f} tok/s ({v['tokens_per_s'] / base:.2f}x)"
             for k, v in row.items() if isinstance(v, dict) and "tokens_per_s" in v))
+    # What the device cache saves: B=8 (or the largest B run) with the cache on the host, the
+    # whole valid cache crossing to the device and back every call.
+    done = [int(b) for b in result["rows"]]
+    if done and plan.left() > (25 if not plan.smoke else 5):
+        batch = 8 if 8 in done else max(done)
+        del pair
+        host = load_variant(info.folder, plan, {"device_kv": False})
+        result["host_kv"] = {"batch": batch}
+        for label in ("target-only", "adaptive"):
+            if label in settings:
+                outs, st = run_batch(host, ids[:batch], settings[label])
+                result["host_kv"][label] = {
+                    "tokens_per_s": st.tokens_per_s,
+                    "device_kv_speedup": result["rows"][str(batch)][label]["tokens_per_s"]
+                    / st.tokens_per_s,
+                    "equal_to_device_kv": outs == outputs[(batch, label)]}
+        print(f"batch {info.name} B={batch}, KV cache on the host: {result['host_kv']}")
     write_part(plan, name, result)
 
 

@@ -170,11 +170,18 @@ def batching_markdown(data: dict[str, Any], smoke: bool) -> list[str]:
                    f"{eq}/{batch} |")
     out += [f"- {n}" for n in b.get("notes", [])]
     if b.get("graph") == "concat":
-        out.append("- The concat form keeps the KV cache in host memory and copies each row's "
-                   "past to the device every call (`OrtModel.forward_rows`): on a GPU these "
-                   "figures measure that copy as much as the model. GroupQueryAttention (the "
+        where = ("on the device (`runtime/device_kv.py`: rows gathered and scattered there)"
+                 if b.get("device_kv") else "in host memory (each row's past copied to the "
+                 "device every call)")
+        out.append(f"- The concat form's KV cache was {where}. GroupQueryAttention (the "
                    "in-place device cache) refuses batch > 1 with several new tokens after a "
                    "past on CUDA as on the CPU.")
+    host = b.get("host_kv")
+    if host:
+        out.append(f"- The same at B={host['batch']} with the cache in host memory: " + ", ".join(
+            f"{k} {_f(v['tokens_per_s'])} tok/s (the device cache "
+            f"{_f(v['device_kv_speedup'], '.2f')}x; tokens equal: {v['equal_to_device_kv']})"
+            for k, v in host.items() if isinstance(v, dict)) + ".")
     if smoke:
         out.append("- CPU smoke run: tiny fixture pair, not GPU figures.")
     return out

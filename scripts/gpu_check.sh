@@ -23,7 +23,7 @@ DEADLINE=$((START + BUDGET))
 OUT_DIR=${OUT:-docs/results}
 WORK=${GPU_CHECK_WORK:-/tmp/specedge-gpu}
 [ $MODE = cpu-smoke ] && WORK=${GPU_CHECK_WORK:-/tmp/specedge-gpu-smoke}
-mkdir -p "$WORK/parts" "$OUT_DIR"
+mkdir -p "$WORK/parts" "$WORK/logs" "$OUT_DIR"
 rm -f "$WORK"/parts/*.json "$WORK/parts/phases.tsv"   # pairs and HF folders are kept for reruns
 
 if [ $MODE = gpu ]; then
@@ -60,8 +60,8 @@ run_phase() {
   echo "== $name (up to ${limit} s)"
   t0=$(date +%s)
   timeout -k 5 "$limit" "$PY" benchmarks/gpu_check.py "$name" --work "$WORK" --out "$OUT_DIR" \
-    --deadline $((t0 + limit)) "${SMOKE[@]}" "$@"
-  rc=$?
+    --deadline $((t0 + limit)) "${SMOKE[@]}" "$@" 2>&1 | tee "$WORK/logs/phase-$name.log"
+  rc=${PIPESTATUS[0]}
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" $(($(date +%s) - t0)) "$limit" >> "$WORK/parts/phases.tsv"
   [ $rc -ne 0 ] && echo "== $name exited $rc$([ $rc -ge 124 ] && echo ' (timed out)')"
 }
@@ -83,4 +83,12 @@ else
 fi
 # the report always runs, even past the budget
 timeout -k 5 30 "$PY" benchmarks/gpu_check.py report --work "$WORK" --out "$OUT_DIR" "${SMOKE[@]}"
+# On the lent GPU machine only $OUT comes back: take the logs along (the last 200 KB of each),
+# so a failed export or phase can be read without another run.
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT/gpu_logs"
+  for f in "$WORK"/logs/*.log; do
+    [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/gpu_logs/$(basename "$f")"
+  done
+fi
 echo "gpu_check ($MODE) took $(($(date +%s) - START)) s; logs in $WORK/logs"
