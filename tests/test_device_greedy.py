@@ -406,3 +406,21 @@ def test_pair_load_switches(tiny_pair_dir: Path) -> None:
             Pair.load(tiny_pair_dir).generate("The quick", cfg).tokens)
     with pytest.raises(InputError, match="CUDA graphs need a model on the cuda provider"):
         Pair.load(tiny_pair_dir, cuda_graph=True)
+
+
+def test_step_logits_stay_in_a_value_kept_per_shape(tiny_pair_dir: Path, tiny_pair: Pair) -> None:
+    """Where the argmax is taken on the device, a step's logits go to an OrtValue the cache
+    keeps per shape and are returned as they are (no wrappers for the 2 x layers presents);
+    a prefill wider than MAX_FIXED_WIDTH gets a fresh one. Same logits as the host path."""
+    model = _with(tiny_pair_dir, device_argmax=True).target
+    plain = tiny_pair.target
+    a, b = model.new_cache(1, 64), plain.new_cache(1, 64)
+    prompt = np.arange(MAX_FIXED_WIDTH + 3, dtype=np.int64)[None] % plain.logits_size
+    assert np.array_equal(model.forward(a, prompt), plain.forward(b, prompt))
+    assert not a._device_logits  # the prefill's were not kept
+    for width in (1, 3, 1):
+        tokens = np.full((1, width), 5, np.int64)
+        raw, _ = model._step(a, tokens)
+        assert raw is a._device_logits[(1, width, model.logits_size)]
+        assert np.array_equal(raw.numpy(), plain.forward(b, tokens))
+    assert len(a._device_logits) == 2
