@@ -232,14 +232,17 @@ def export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[str]]
     py, w, hf = sys.executable, plan.work, plan.work / "hf"
     spec = [py, "-m", "specedge.cli", "export"]
     if plan.smoke:
-        out = w / "pairs" / "tiny"
+        out, concat = w / "pairs" / "tiny", w / "pairs" / "tiny-concat"
         return [("tiny", out, ("tiny",), spec + [str(hf / "tiny"), "-o", str(out),
                                                  "--draft-precision", "int4", "--no-validate",
-                                                 "--force"])]
+                                                 "--force"]),
+                ("tiny-concat", concat, ("tiny",),
+                 spec + [str(hf / "tiny"), "-o", str(concat), "--draft-precision", "int4",
+                         "--graph", "concat", "--no-validate", "--force"])]
     gpu = ["--provider", "cuda", "--precision", "fp16", "--draft-precision", "int4",
            "--no-validate", "--force"]
     p = {n: w / "pairs" / n for n in ("ref-cuda", "ref-cpu", "qwen2.5-1.5b", "llama-3.2-1b",
-                                       "ref-concat")}
+                                       "ref-concat", "qwen2.5-0.5b-concat")}
     return [
         ("ref-cuda", p["ref-cuda"], ("smollm2",),  # the recipe itself, validated
          ["bash", str(ROOT / "models" / "smollm2-135m-gpu.sh"), str(p["ref-cuda"]),
@@ -257,6 +260,12 @@ def export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[str]]
         ("ref-concat", p["ref-concat"], ("smollm2",),
          spec + [str(hf / "smollm2"), "-o", str(p["ref-concat"]), "--precision", "fp32",
                  "--draft-precision", "int4", "--graph", "concat", "--no-validate", "--force"]),
+        # issue 19's realistic shape for batching: costs only (random weights), the concat form
+        # takes fp32 (the builder writes fp16 in the gqa form only); last, to delay no other
+        ("qwen2.5-0.5b-concat", p["qwen2.5-0.5b-concat"], ("qwen2.5-0.5b",),
+         spec + [str(hf / "qwen2.5-0.5b"), "-o", str(p["qwen2.5-0.5b-concat"]), "--precision",
+                 "fp32", "--draft-precision", "int4", "--graph", "concat", "--no-validate",
+                 "--force"]),
     ]
 
 
@@ -714,22 +723,29 @@ def roofline(plan: Plan, info: PairInfo) -> dict[str, Any]:
 
 def batch_pairs(plan: Plan) -> list[PairInfo]:
     """The concat-form pairs batched decoding runs on."""
+    pairs = plan.work / "pairs"
     if plan.smoke:
         fixtures = Path(os.environ.get("SPECEDGE_FIXTURES", ROOT / ".cache" / "fixtures"))
         return [PairInfo("reference", fixtures / "tiny-llama-concat", None, None, None, "tiny",
-                         True)]
-    return [PairInfo("reference", plan.work / "pairs" / "ref-concat", None, None, None,
-                     "smollm2-135m", True)]
+                         True),
+                PairInfo("tiny", pairs / "tiny-concat", None, None, None, "tiny", False)]
+    return [PairInfo("reference", pairs / "ref-concat", None, None, None, "smollm2-135m", True),
+            PairInfo("qwen2.5-0.5b", pairs / "qwen2.5-0.5b-concat", None, None, None,
+                     "qwen2.5-0.5b", False)]
 
 
 def phase_batch(plan: Plan) -> None:
-    for info in batch_pairs(plan):
+    infos = batch_pairs(plan)
+    for n, info in enumerate(infos):
         name = f"batch-{info.name}"
         if not wait_for(info.folder, plan, reserve=20):
             write_part(plan, name, {"error": f"{info.folder} was not built"})
             continue
+        # The reference pair's sweep (generation, acceptance) leaves the shaped pair (costs and
+        # target-only, quick) the last fifth of the phase.
+        until = plan.deadline - (0.2 * plan.left() if n < len(infos) - 1 else 0.0)
         try:
-            batch_sweep(plan, info, name)
+            batch_sweep(plan, info, name, until)
         except Exception as exc:  # the report says why
             write_part(plan, name, {"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             print(f"batch {info.name}: {type(exc).__name__}: {exc}")
@@ -748,7 +764,7 @@ def run_batch(pair: Any, prompts: list[list[int]], cfg: Any) -> tuple[list[list[
     return [list(r.generated) for r in rows], totals
 
 
-def batch_sweep(plan: Plan, info: PairInfo, name: str) -> None:
+def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
     """Aggregate tok/s of batched target-only, fixed K and adaptive K at each B (interleaved on
     the same batch), greedy rows against batch-1 target-only, and verify(B x (K+1)) /
     verify(B x 1)."""
@@ -765,7 +781,10 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str) -> None:
     new = plan.batch_new
     target_only = GenerationConfig(max_new_tokens=new, drafter="none")
     settings = {"target-only": target_only}
-    if pair.draft is not None:
+    # Random weights make acceptance meaningless: such a pair gives its costs (the report
+    # predicts its speed-ups with the reference pair's acceptance) and batched target-only.
+    result["real_weights"] = info.real_weights
+    if pair.draft is not None and info.real_weights:
         settings.update({f"K={k}": GenerationConfig(max_new_tokens=new, drafter="model",
                                                    num_draft_tokens=k, adaptive=False)
                          for k in plan.batch_ks})
@@ -776,7 +795,7 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str) -> None:
     alone: list[list[int]] = []  # batch-1 target-only outputs, the exactness reference
     outputs: dict[tuple[int, str], list[list[int]]] = {}
     for batch in plan.batches:
-        if plan.left() < (20 if not plan.smoke else 5):
+        if until - time.time() < (20 if not plan.smoke else 5):
             result["notes"].append(f"stopped before B={batch} (time)")
             break
         while len(alone) < batch:
@@ -804,7 +823,7 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str) -> None:
     # What the device cache saves: B=8 (or the largest B run) with the cache on the host, the
     # whole valid cache crossing to the device and back every call.
     done = [int(b) for b in result["rows"]]
-    if done and plan.left() > (25 if not plan.smoke else 5):
+    if done and info.real_weights and until - time.time() > (25 if not plan.smoke else 5):
         batch = 8 if 8 in done else max(done)
         del pair
         host = load_variant(info.folder, plan, {"device_kv": False})
