@@ -980,7 +980,8 @@ class OrtModel:
         attention-mask holes, the new tokens get per-row position ids, and only each row's
         `new_lens[i]` new keys/values are copied back after its own prefix. Rows of the cache
         that are not in `rows` are neither fed nor paid for. Concat-form graphs only (ONNX
-        Runtime's CPU GroupQueryAttention refuses batch > 1 with several new tokens after a past).
+        Runtime's GroupQueryAttention, CPU and CUDA, refuses batch > 1 with several new tokens
+        after a past). On a GPU provider the cache stays on the device (`runtime/device_kv`).
 
         Returns:
             logits `[len(rows), tokens.shape[1], vocab]`; entries past `new_lens[i]` are padding.

@@ -119,8 +119,8 @@ def run_batch_bench(pair: Pair, opts: BatchBenchOptions,
     """Run every batch size; greedy decoding."""
     if pair.manifest.target.graph != "concat":
         raise InputError(f"{pair.manifest.root}: batched decoding needs a pair exported with "
-                         "--graph concat (ONNX Runtime's CPU GroupQueryAttention takes one row "
-                         "when several tokens follow a past)")
+                         "--graph concat (ONNX Runtime's GroupQueryAttention, CPU and CUDA, takes "
+                         "one row when several tokens follow a past)")
     report = []
     warm = GenerationConfig(max_new_tokens=4, drafter="model" if pair.draft else "none",
                             num_draft_tokens=2, chat=opts.chat)
