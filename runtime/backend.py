@@ -335,6 +335,16 @@ def start_session(path: Path, config: SessionConfig, what: str, fix: str) -> ort
     return session
 
 
+def helper_config(config: SessionConfig) -> SessionConfig:
+    """The session settings of the small shipped graphs that run beside a model on its device
+    (the greedy head, the KV gather / scatter): one thread (or the shared pool), no CUDA graphs
+    or fixed buffers, and the CUDA EP where the model runs on TensorRT (their shapes change every
+    call, and TensorRT would build an engine for each)."""
+    return replace(config, provider="cpu" if config.provider == "cpu" else "cuda",
+                   intra_op_threads=0 if global_pool_active() else 1, cuda_graph=False,
+                   fixed_buffers=False, device_argmax=False, device_kv=False)
+
+
 def cuda_provider_options(config: SessionConfig) -> dict[str, str]:
     """The CUDA execution provider's options for `config` (strings, as ONNX Runtime takes)."""
     options = {"device_id": str(config.device_id)}
@@ -577,10 +587,7 @@ class GreedyHead:
             raise InputError(f"the greedy head indexes tokens in float32: a vocabulary of "
                              f"{vocab} is too large; turn device_argmax off")
         path = resources.files(__package__).joinpath(f"data/greedy_head_{logits_dtype}.onnx")
-        own = replace(config, provider="cpu" if config.provider == "cpu" else "cuda",
-                      intra_op_threads=0 if global_pool_active() else 1, cuda_graph=False,
-                      fixed_buffers=False, device_argmax=False)
-        self.session = start_session(Path(str(path)), own, "the greedy head",
+        self.session = start_session(Path(str(path)), helper_config(config), "the greedy head",
                                      "reinstall specedge, or turn device_argmax off")
         self.index = ort.OrtValue.ortvalue_from_numpy(np.arange(vocab, dtype=np.float32),
                                                       config.device, config.device_id)
@@ -844,8 +851,7 @@ class OrtModel:
     def kv_ops(self) -> KVOps:
         """The graphs that move a concat-form cache's rows on the device (made once)."""
         if self._kv_ops is None:
-            own = replace(self.config, intra_op_threads=0 if global_pool_active() else 1,
-                          cuda_graph=False, fixed_buffers=False, device_argmax=False)
+            own = helper_config(self.config)
             self._kv_ops = KVOps(self.spec.kv.dtype, lambda path, what: start_session(
                 path, own, what, "reinstall specedge, or run the pair with device_kv off"))
         return self._kv_ops

@@ -106,3 +106,15 @@ def test_shipped_graphs_are_the_scripts(tmp_path: Path) -> None:
     for made in sorted(tmp_path.glob("kv_*.onnx")):
         assert made.read_bytes() == (root / "runtime" / "data" / made.name).read_bytes(), made
     assert len(list(tmp_path.glob("kv_*.onnx"))) == 4
+
+
+def test_helper_graphs_run_on_cuda_under_tensorrt() -> None:
+    """The greedy head and the KV graphs change shape every call: under TensorRT they run on the
+    CUDA EP (TensorRT would build an engine per shape), never with CUDA graphs."""
+    from specedge.runtime.backend import SessionConfig, helper_config
+
+    trt = helper_config(SessionConfig(provider="tensorrt", device_id=1))
+    assert trt.provider == "cuda" and trt.device_id == 1 and trt.device == "cuda"
+    cuda = helper_config(SessionConfig(provider="cuda", cuda_graph=True))
+    assert cuda.provider == "cuda" and not cuda.cuda_graph and not cuda.fixed
+    assert helper_config(SessionConfig()).provider == "cpu"
