@@ -41,6 +41,8 @@ class KVOps:
                             "the KV gather graph")
         self.scatter = start(Path(str(data.joinpath(f"kv_scatter_{dtype}.onnx"))),
                              "the KV scatter graph")
+        self.zeros = start(Path(str(data.joinpath(f"kv_zeros_{dtype}.onnx"))),
+                           "the KV zeros graph")
 
 
 class Scratch:
@@ -75,9 +77,14 @@ class DeviceKV:
         self.dtype, self.device, self.device_id = dtype, device, device_id
         self.itemsize = np.dtype(dtype).itemsize
         # Zeros, not whatever the allocator held: a masked position still multiplies its value
-        # by a zero weight, and NaN garbage would make that NaN.
-        zeros = np.zeros((batch, max_len + 1, self.n, heads, head_dim), dtype)
-        self.cache = ort.OrtValue.ortvalue_from_numpy(zeros, device, device_id)
+        # by a zero weight, and NaN garbage would make that NaN. Written on the device by a
+        # graph (no host array as large as the cache: a Jetson's memory is shared).
+        shape = (batch, max_len + 1, self.n, heads, head_dim)
+        self.cache = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, device_id)
+        fill = ops.zeros.io_binding()
+        fill.bind_cpu_input("shape", np.array(shape, np.int64))
+        fill.bind_ortvalue_output("zeros", self.cache)
+        ops.zeros.run_with_iobinding(fill)
         self._pasts = Scratch(dtype, device, device_id)
         self._presents = Scratch(dtype, device, device_id)
         self._bound: tuple[int, int, int, int] | None = None  # rows, past, width, presents at

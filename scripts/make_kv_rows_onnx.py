@@ -1,4 +1,4 @@
-"""Write runtime/data/kv_{gather,scatter}_{float32,float16}.onnx, the graphs that keep a
+"""Write runtime/data/kv_{gather,scatter,zeros}_{float32,float16}.onnx, the graphs that keep a
 concat-form model's KV cache on its device (`runtime.device_kv.DeviceKV`).
 
 Usage: python scripts/make_kv_rows_onnx.py [OUT_DIR]   (needs the `onnx` package; the runtime
@@ -14,6 +14,8 @@ for the padding of short rows, never read).
            slots [r, width, 2] int64 (row, position)
            -> cache_out: the cache with presents[:, i, :, past + j] written at slots[i, j]; the
               runtime binds cache_out to the cache itself, so ScatterND writes in place
+  zeros:   shape [5] int64 -> zeros of that shape (a new cache, zero-filled on the device
+           without a host array as large as the cache)
 """
 
 from __future__ import annotations
@@ -75,10 +77,18 @@ def scatter(dtype: int, name: str) -> onnx.ModelProto:
                   [helper.make_tensor_value_info("cache_out", dtype, DIMS)])
 
 
+def zeros(dtype: int, name: str) -> onnx.ModelProto:
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["zeros"],
+                              value=helper.make_tensor("zero", dtype, [1], [0]))]
+    return _model(nodes, f"specedge_kv_zeros_{name}",
+                  [helper.make_tensor_value_info("shape", TensorProto.INT64, [5])],
+                  [helper.make_tensor_value_info("zeros", dtype, DIMS)])
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, dtype in (("float32", TensorProto.FLOAT), ("float16", TensorProto.FLOAT16)):
-        for kind, build in (("gather", gather), ("scatter", scatter)):
+        for kind, build in (("gather", gather), ("scatter", scatter), ("zeros", zeros)):
             path = out / f"kv_{kind}_{name}.onnx"
             onnx.save(build(dtype, name), str(path))
             print(f"wrote {path} ({path.stat().st_size} bytes)")

@@ -105,7 +105,7 @@ def test_shipped_graphs_are_the_scripts(tmp_path: Path) -> None:
     module.main(tmp_path)
     for made in sorted(tmp_path.glob("kv_*.onnx")):
         assert made.read_bytes() == (root / "runtime" / "data" / made.name).read_bytes(), made
-    assert len(list(tmp_path.glob("kv_*.onnx"))) == 4
+    assert len(list(tmp_path.glob("kv_*.onnx"))) == 6
 
 
 def test_helper_graphs_run_on_cuda_under_tensorrt() -> None:
@@ -118,3 +118,24 @@ def test_helper_graphs_run_on_cuda_under_tensorrt() -> None:
     cuda = helper_config(SessionConfig(provider="cuda", cuda_graph=True))
     assert cuda.provider == "cuda" and not cuda.cuda_graph and not cuda.fixed
     assert helper_config(SessionConfig()).provider == "cpu"
+
+
+def test_a_new_cache_is_zero_filled_on_the_device(on_device: Pair,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Allocator garbage (NaN here) must not survive: a masked position's value still meets a
+    zero attention weight, and 0 x NaN is NaN. The zeros are written by a graph, with no host
+    array as large as the cache."""
+    import onnxruntime as ort
+
+    real = ort.OrtValue.ortvalue_from_shape_and_type
+
+    def garbage(shape, dtype, device, device_id):  # noqa: ANN001, ANN202
+        value = real(shape, dtype, device, device_id)
+        value.update_inplace(np.full(shape, np.nan, dtype))
+        return value
+
+    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_shape_and_type", staticmethod(garbage))
+    cache = on_device.target.new_cache(3, 20)
+    assert cache.device_kv is not None
+    values = cache.device_kv.cache.numpy()
+    assert values.shape[1] == 21 and not values.any() and np.isfinite(values).all()
