@@ -522,8 +522,10 @@ def load_variant(folder: Path, plan: Plan, fields: dict[str, Any]) -> Any:
                      providers=plan.provider, verify_hashes=False)
 
 
-def genai_folder(pair_dir: Path, out: Path, draft: bool, provider: str) -> Path:
-    """An ORT GenAI folder over the pair's own files, on `provider`."""
+def genai_folder(pair_dir: Path, out: Path, draft: bool, provider: str,
+                 cuda_graph: bool = False) -> Path:
+    """An ORT GenAI folder over the pair's own files, on `provider` (with `cuda_graph`, its
+    CUDA provider option `enable_cuda_graph`: ORT GenAI then captures its decode step)."""
     from anchors import ort_genai
 
     folder = ort_genai.make_genai_folder(pair_dir, out, draft=draft, target_threads=None,
@@ -532,7 +534,8 @@ def genai_folder(pair_dir: Path, out: Path, draft: bool, provider: str) -> Path:
         cfg = json.loads((folder / "genai_config.json").read_text())
         for block in ("decoder", "draft"):
             if block in cfg["model"]:
-                cfg["model"][block]["session_options"]["provider_options"] = [{"cuda": {}}]
+                cfg["model"][block]["session_options"]["provider_options"] = [
+                    {"cuda": {"enable_cuda_graph": "1"} if cuda_graph else {}}]
         (folder / "genai_config.json").write_text(json.dumps(cfg, indent=2))
     return folder
 
@@ -644,6 +647,18 @@ def bench_pair(plan: Plan, info: PairInfo, until: float) -> None:
                                                                              k))
     except Exception as exc:  # ORT GenAI missing or refusing the folder: measure the rest
         notes.append(f"ORT GenAI not measured: {type(exc).__name__}: {str(exc)[:200]}")
+    if info.real_weights and plan.provider == "cuda":
+        # The anchor at its best settings: ORT GenAI with CUDA graphs, where it takes them.
+        try:
+            from anchors import ort_genai
+
+            graphs = ort_genai.load(genai_folder(info.folder, plan.work / "genai" / info.name
+                                                 / "graphs", False, plan.provider, True))
+            settings["ort-genai target-only, cuda graphs"] = (
+                lambda prompt: run_genai(graphs, prompt, new, None))
+        except Exception as exc:  # reported, not fatal
+            notes.append(f"ORT GenAI with CUDA graphs not measured: {type(exc).__name__}: "
+                         f"{str(exc)[:200]}")
     result["notes"] = notes
     for label, run in settings.items():  # warm-up: sessions, allocations, kernels
         try:

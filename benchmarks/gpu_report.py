@@ -67,11 +67,15 @@ def bars(data: dict[str, Any]) -> list[dict[str, Any]]:
                 "measured": _f(agree and 100 * agree, ".2f") + "%" if agree else "not measured",
                 "passed": None if agree is None else agree >= 0.99})
     ref = data.get("bench-reference", {}).get("settings", {})
-    ours_t = ref.get("specedge target-only", {}).get("decode_tokens_per_s")
-    genai_t = ref.get("ort-genai target-only", {}).get("decode_tokens_per_s")
-    ratio = ours_t / genai_t if ours_t and genai_t else None
-    out.append({"bar": "specedge target-only >= 1.0x ORT GenAI CUDA target-only (reference)",
-                "measured": f"{_f(ratio, '.2f')}x ({_f(ours_t)} vs {_f(genai_t)} tok/s)",
+    # Each system at its best target-only setting (specedge: default, CUDA graphs, host argmax;
+    # ORT GenAI: default, CUDA graphs).
+    o_name, ours_t = _best(ref, "specedge target-only", spec_only=False)
+    g_name, genai_t = _best(ref, "ort-genai target-only", spec_only=False)
+    ratio = ours_t / genai_t if ours_t == ours_t and genai_t == genai_t and genai_t else None
+    out.append({"bar": "specedge target-only >= 1.0x ORT GenAI CUDA target-only (reference, "
+                       "each at its best setting)",
+                "measured": f"{_f(ratio, '.2f')}x ({o_name} {_f(ours_t)} vs {g_name} "
+                            f"{_f(genai_t)} tok/s)",
                 "passed": None if ratio is None else ratio >= 1.0})
     o_name, o_best = _best(ref, "specedge")
     g_name, g_best = _best(ref, "ort-genai")
