@@ -424,3 +424,17 @@ def test_step_logits_stay_in_a_value_kept_per_shape(tiny_pair_dir: Path, tiny_pa
         assert raw is a._device_logits[(1, width, model.logits_size)]
         assert np.array_equal(raw.numpy(), plain.forward(b, tokens))
     assert len(a._device_logits) == 2
+
+
+def test_greedy_head_bindings_are_per_thread(tiny_pair_dir: Path, tiny_pair: Pair) -> None:
+    """The greedy head keeps an IO binding and output buffers per thread: generations on
+    several threads with one pair give each its own tokens (a shared binding would race)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pair = _with(tiny_pair_dir, device_argmax=True)
+    cfg = GenerationConfig(max_new_tokens=40, drafter="model", num_draft_tokens=3)
+    alone = [tiny_pair.generate_ids(tiny_pair.encode_prompt(p), cfg)[0] for p in PROMPTS * 2]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: pair.generate_ids(pair.encode_prompt(p), cfg)[0],
+                             PROMPTS * 2))
+    assert outs == alone
