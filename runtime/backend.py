@@ -482,8 +482,24 @@ class KVCache:
             self._allocate()
         self._binding: Any = None
         self._logits: dict[tuple[int, int, int], np.ndarray] = {}
+        # Logits OrtValues on the model's device for the last KEPT_LOGITS shapes (oldest first).
         self._device_logits: dict[tuple[int, int, int], ort.OrtValue] = {}
+        self._bound_value: ort.OrtValue | None = None  # the one bound on _binding
         self._bound: tuple[int, int, int] | None = None  # the logits shape bound on _binding
+
+    def device_logits(self, shape: tuple[int, int, int]) -> ort.OrtValue:
+        """An OrtValue on the model's device for logits of `shape`, the same one as the last
+        call of that shape (the next call of the shape overwrites it); the last `KEPT_LOGITS`
+        shapes are kept (a batch's rows and block widths vary)."""
+        value = self._device_logits.pop(shape, None)
+        if value is None:
+            cfg = self.model.config
+            value = ort.OrtValue.ortvalue_from_shape_and_type(
+                shape, _NP_DTYPES[self.model.spec.logits_dtype], cfg.device, cfg.device_id)
+        self._device_logits[shape] = value
+        while len(self._device_logits) > KEPT_LOGITS:
+            del self._device_logits[next(iter(self._device_logits))]
+        return value
 
     def _allocate(self) -> None:
         self.host, self.values, self.device_kv = _allocate_kv(self.model, self.batch,
@@ -510,6 +526,7 @@ class KVCache:
 
 _NO_ROWS = np.zeros(0, np.int64)
 MAX_FIXED_WIDTH = 16  # widest step run on fixed buffers (a graph each); wider: plain runs
+KEPT_LOGITS = 8  # logits shapes a cache keeps on the device (steps, blocks, batch sizes)
 GRAPH_WARMUP_RUNS = 2  # plain runs of a width before its CUDA graph is captured (ORT's minimum)
 
 
@@ -1106,7 +1123,7 @@ class OrtModel:
         try:
             if cache.device_kv is not None:
                 logits: ort.OrtValue | np.ndarray = self._run_device_kv(
-                    cache.device_kv, rows, feeds, lengths, new_lens, past, width)
+                    cache, cache.device_kv, rows, feeds, lengths, new_lens, past, width)
             else:
                 for (name, _), buf in zip(self._kv_names, cache.host, strict=True):
                     feeds[name] = buf[rows, :, :past]  # fancy indexing: a contiguous copy
@@ -1147,7 +1164,8 @@ class OrtModel:
         values = binding.get_outputs()  # in binding order: the presents, then the logits
         return values[-1], [np.array(v.numpy()) for v in values[:-1]]
 
-    def _run_device_kv(self, kv: DeviceKV, rows: np.ndarray, feeds: dict[str, Any],
+    def _run_device_kv(self, cache: KVCache, kv: DeviceKV, rows: np.ndarray,
+                       feeds: dict[str, Any],
                        lengths: np.ndarray, new_lens: np.ndarray, past: int, width: int
                        ) -> ort.OrtValue:
         """One concat-form run on a cache kept on the device (`runtime/device_kv`): the rows'
@@ -1158,10 +1176,12 @@ class OrtModel:
             binding.bind_cpu_input(name, np.ascontiguousarray(arr))
         kv.bind(binding, self._kv_names, rows, past)
         kv.bind_presents(binding, self._kv_names, len(rows), past, width)
-        binding.bind_output(self.spec.logits, self.config.device, self.config.device_id)
+        # The logits into a value kept per shape, returned as it is (as `_run_shared`).
+        logits = cache.device_logits((len(rows), width, self.logits_size))
+        binding.bind_ortvalue_output(self.spec.logits, logits)
         self.session.run_with_iobinding(binding)
         kv.commit(rows, lengths, new_lens)
-        return binding.get_outputs()[-1]  # in binding order: the presents, then the logits
+        return logits
 
     def _positions(self, cache: KVCache, new: int) -> np.ndarray:
         return cache.lengths[:, None] + np.arange(new, dtype=np.int64)[None, :]
@@ -1206,21 +1226,17 @@ class OrtModel:
         shape = (tokens.shape[0], width, self.logits_size)
         if width > MAX_FIXED_WIDTH:  # a prefill: its logits are not worth keeping
             binding.bind_output(self.spec.logits, self.config.device, self.config.device_id)
-            cache._bound = None
+            cache._bound_value = None
             self.session.run_with_iobinding(binding, options)
             # Outputs come back in binding order: the 2*layers presents, then the logits.
             return binding.get_outputs()[len(self._kv_names)]
         # Steps and verification blocks: logits into an OrtValue on the device kept per shape,
         # returned as it is (get_outputs would wrap all 2 * layers presents too: 60 us a call
         # for the reference pair, measured on the CPU, a few percent of a GPU decode step).
-        value = cache._device_logits.get(shape)
-        if value is None:
-            value = cache._device_logits[shape] = ort.OrtValue.ortvalue_from_shape_and_type(
-                shape, _NP_DTYPES[self.spec.logits_dtype], self.config.device,
-                self.config.device_id)
-        if cache._bound != shape:
+        value = cache.device_logits(shape)
+        if cache._bound_value is not value:
             binding.bind_ortvalue_output(self.spec.logits, value)
-            cache._bound = shape
+            cache._bound_value = value
         self.session.run_with_iobinding(binding, options)
         return value
 
@@ -1249,7 +1265,7 @@ class OrtModel:
             feeds[self.spec.position_ids] = self._positions(cache, tokens.shape[1])
         if cache.device_kv is not None:
             rows, new = np.arange(cache.batch), tokens.shape[1]
-            return self._run_device_kv(cache.device_kv, rows, feeds, cache.lengths,
+            return self._run_device_kv(cache, cache.device_kv, rows, feeds, cache.lengths,
                                        np.full(cache.batch, new, np.int64), past_len, new)
         for (past, _), buf in zip(self._kv_names, cache.host, strict=True):
             feeds[past] = np.ascontiguousarray(buf[:, :, :past_len])

@@ -438,3 +438,22 @@ def test_greedy_head_bindings_are_per_thread(tiny_pair_dir: Path, tiny_pair: Pai
         outs = list(pool.map(lambda p: pair.generate_ids(pair.encode_prompt(p), cfg)[0],
                              PROMPTS * 2))
     assert outs == alone
+
+
+def test_evicted_logits_values_are_rebound(tiny_pair_dir: Path, tiny_pair: Pair,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache keeps the logits values of its last KEPT_LOGITS shapes; a shape evicted and made
+    again gets a new value, and the run must write into that one (the binding is redone)."""
+    from specedge.runtime import backend
+
+    monkeypatch.setattr(backend, "KEPT_LOGITS", 1)
+    model = _with(tiny_pair_dir, device_argmax=True).target
+    plain = tiny_pair.target
+    a, b = model.new_cache(1, 64), plain.new_cache(1, 64)
+    prompt = np.arange(6, dtype=np.int64)[None]
+    model.forward(a, prompt)
+    plain.forward(b, prompt)
+    for width in (1, 3, 1, 3, 2, 1):
+        tokens = np.full((1, width), 7 + width, np.int64)
+        assert np.array_equal(model.forward(a, tokens), plain.forward(b, tokens))
+        assert len(a._device_logits) == 1
