@@ -262,6 +262,19 @@ def _check_probs_1d(probs: npt.ArrayLike, name: str) -> FloatArray:
     return arr
 
 
+def _check_pair(draft_probs: npt.ArrayLike, target_probs: npt.ArrayLike
+                ) -> tuple[FloatArray, FloatArray]:
+    """Both distributions checked (`_check_probs_1d`) and of one shape."""
+    draft = _check_probs_1d(draft_probs, "draft_probs")
+    target = _check_probs_1d(target_probs, "target_probs")
+    if draft.shape != target.shape:
+        raise InputError(
+            f"draft_probs and target_probs must have the same shape, "
+            f"got {draft.shape} and {target.shape}"
+        )
+    return draft, target
+
+
 def sample_token(probs: npt.ArrayLike, rng: np.random.Generator) -> int:
     """Draw one token id from a distribution by inverse CDF, with one ``rng.random()`` draw.
 
@@ -466,13 +479,7 @@ def accept_probability(draft_probs: npt.ArrayLike, target_probs: npt.ArrayLike) 
     Raises:
         InputError: If the shapes differ or are not 1-D.
     """
-    draft = _check_probs_1d(draft_probs, "draft_probs")
-    target = _check_probs_1d(target_probs, "target_probs")
-    if draft.shape != target.shape:
-        raise InputError(
-            f"draft_probs and target_probs must have the same shape, "
-            f"got {draft.shape} and {target.shape}"
-        )
+    draft, target = _check_pair(draft_probs, target_probs)
     return float(np.minimum(draft, target).sum())
 
 
@@ -494,13 +501,7 @@ def first_token_marginal(draft_probs: npt.ArrayLike, target_probs: npt.ArrayLike
     Raises:
         InputError: If the shapes differ or are not 1-D.
     """
-    draft = _check_probs_1d(draft_probs, "draft_probs")
-    target = _check_probs_1d(target_probs, "target_probs")
-    if draft.shape != target.shape:
-        raise InputError(
-            f"draft_probs and target_probs must have the same shape, "
-            f"got {draft.shape} and {target.shape}"
-        )
+    draft, target = _check_pair(draft_probs, target_probs)
     accepted = np.minimum(draft, target)  # draft * min(1, target / draft), 0 where draft == 0
     reject = float(np.maximum(draft - target, 0.0).sum())
     out: FloatArray = accepted + reject * residual_probs(target, draft)
