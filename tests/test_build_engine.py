@@ -60,19 +60,12 @@ from specedge.runtime.manifest import (
 from specedge.runtime.pair import GenerationConfig, Pair, engine_choice, load_model
 from specedge.runtime.sampling import SamplingParams
 
+from .test_onnx_file import encode_varint as _varint
+
 KEY = EngineKey(gpu="Orin", compute_capability="8.7", tensorrt="10.3.0", onnxruntime="1.20.0")
 SHA = "0" * 64
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
 
 
 def _len_field(number: int, payload: bytes) -> bytes:
