@@ -91,8 +91,8 @@ class DeviceKV:
 
     def bind(self, binding: ort.IOBinding, names: Sequence[tuple[str, str]], rows: np.ndarray,
              past: int) -> None:
-        """Gather the first `past` positions of `rows` and bind them as the model's past
-        inputs; bind its present outputs (`past + width` long, `width` set by `presents`)."""
+        """Gather the first `past` positions of `rows` and bind them, by address, as the
+        model's past inputs (`bind_presents` binds its outputs)."""
         r = len(rows)
         layer = r * self.heads * past * self.head_dim
         at = self._pasts.address(max(self.n * layer, 1))
