@@ -83,12 +83,13 @@ else
 fi
 # the report always runs, even past the budget
 timeout -k 5 30 "$PY" benchmarks/gpu_check.py report --work "$WORK" --out "$OUT_DIR" "${SMOKE[@]}"
-# On the lent GPU machine only $OUT comes back: take the logs along (the last 200 KB of each),
-# so a failed export or phase can be read without another run.
+# On the lent GPU machine only $OUT comes back, at most 8 files: take the logs along in one file
+# (the last 200 KB of each) and the phases' raw results in one archive, so a failed export or
+# phase can be read without another run.
 if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT/gpu_logs"
   for f in "$WORK"/logs/*.log; do
-    [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/gpu_logs/$(basename "$f")"
-  done
+    [ -f "$f" ] && { echo "===== $(basename "$f")"; tail -c 200000 "$f"; echo; }
+  done > "$OUT/gpu_logs.txt"
+  tar -czf "$OUT/gpu_parts.tar.gz" -C "$WORK" parts 2>/dev/null || true
 fi
 echo "gpu_check ($MODE) took $(($(date +%s) - START)) s; logs in $WORK/logs"
