@@ -114,6 +114,10 @@ class SessionConfig:
             (`runtime/device_kv`); None: on for cuda / tensorrt, off for cpu (where numpy
             gathers and scatters the rows without extra session runs). The tokens are the same
             either way. gqa-shared caches are on the device always.
+        tf32: let the CUDA EP run float32 matrix products in TF32 (tensor cores, ~10-bit
+            mantissa: faster, but a verification block and a decode step can round a near-tie
+            differently, so greedy speculation may differ from target-only). Off by default:
+            exactness first; fp16 models are not affected.
         split_head: where the exporter split the model's head off its body (manifest `head`),
             run the body and take greedy argmaxes from the int8 shortlist (`runtime/shortlist`)
             and logits from the head alone. Used on the CPU with gqa-shared models on plain
@@ -131,6 +135,7 @@ class SessionConfig:
     cuda_graph: bool = False
     fixed_buffers: bool = False
     device_kv: bool | None = None
+    tf32: bool = False
     split_head: bool = True
 
     def __post_init__(self) -> None:
@@ -348,7 +353,9 @@ def helper_config(config: SessionConfig) -> SessionConfig:
 
 def cuda_provider_options(config: SessionConfig) -> dict[str, str]:
     """The CUDA execution provider's options for `config` (strings, as ONNX Runtime takes)."""
-    options = {"device_id": str(config.device_id)}
+    # ONNX Runtime's CUDA EP defaults use_tf32 to on: float32 products then round their inputs
+    # to 10 mantissa bits, and near-ties of fp32 logits flip between call widths.
+    options = {"device_id": str(config.device_id), "use_tf32": "1" if config.tf32 else "0"}
     if config.cuda_graph:
         options["enable_cuda_graph"] = "1"
     return options
@@ -960,9 +967,12 @@ class OrtModel:
                 raise self._not_finite()
             return ids.astype(np.int64, copy=False)
         ids, sums, _ = self.head.run(_value(raw), _NO_ROWS)
-        if not np.isfinite(sums).all():
+        # The positions the caller gets only, as on the host path: a prefill's earlier
+        # positions (and a two-row step's re-fed one) are not used, and may overflow on their own.
+        used = slice(-1, None) if last else slice(skip, None)
+        if not np.isfinite(sums[:, used]).all():
             raise self._not_finite()
-        return ids[:, -1:] if last else ids[:, skip:]
+        return ids[:, used]
 
     def _not_finite(self) -> ModelError:
         return ModelError(

@@ -25,6 +25,7 @@ from specedge.runtime.backend import (
     SessionConfig,
     cuda_provider_options,
     graph_run_options,
+    helper_config,
 )
 from specedge.runtime.errors import InputError, ModelError
 from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
@@ -153,6 +154,30 @@ def test_device_argmax_refuses_nan_logits(tiny_pair_dir: Path) -> None:
     cache = on.target.new_cache(1, 16)
     with pytest.raises(ModelError, match="NaN or inf"):
         on.target.forward_argmax(cache, np.asarray([[1, 2, 3]], np.int64))
+
+
+def test_device_argmax_judges_only_the_positions_it_returns(tiny_pair_dir: Path) -> None:
+    """A prefill returns its last position's argmax: an overflow at an earlier position is not
+    the caller's, and the host path ignores it too. On the H200 the head refused such prefills
+    of random-weight fp16 pairs that the host path ran (docs/results/gpu_h200.md)."""
+    on = _with(tiny_pair_dir, device_argmax=True)
+    off = _with(tiny_pair_dir, device_argmax=False)
+    head = on.target.head
+    assert head is not None
+    inner = head.run
+
+    def early_nan(logits, keep):  # noqa: ANN001, ANN202
+        ids, sums, kept = inner(logits, keep)
+        sums[0, 0] = np.nan
+        return ids, sums, kept
+
+    head.run = early_nan  # type: ignore[method-assign]
+    tokens = np.asarray([[1, 2, 3]], np.int64)
+    got = on.target.forward_argmax(on.target.new_cache(1, 16), tokens, last=True)
+    want = off.target.forward_argmax(off.target.new_cache(1, 16), tokens, last=True)
+    assert got.tolist() == want.tolist()
+    with pytest.raises(ModelError, match="NaN or inf"):  # every position returned: refused
+        on.target.forward_argmax(on.target.new_cache(1, 16), tokens)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -315,9 +340,21 @@ def test_cuda_graph_needs_the_cuda_provider() -> None:
             SessionConfig(provider=provider, cuda_graph=True)
     cfg = SessionConfig(provider="cuda", cuda_graph=True, device_id=1)
     assert cfg.fixed and cfg.argmax_on_device
-    assert cuda_provider_options(cfg) == {"device_id": "1", "enable_cuda_graph": "1"}
-    assert cuda_provider_options(SessionConfig(provider="cuda")) == {"device_id": "0"}
+    assert cuda_provider_options(cfg) == {"device_id": "1", "use_tf32": "0",
+                                          "enable_cuda_graph": "1"}
+    assert cuda_provider_options(SessionConfig(provider="cuda")) == {"device_id": "0",
+                                                                     "use_tf32": "0"}
     assert not SessionConfig().fixed
+
+
+def test_tf32_is_off_unless_asked_for() -> None:
+    """ONNX Runtime's CUDA EP rounds float32 products' inputs to TF32 (10 mantissa bits) by
+    default, so an fp32 pair's near-ties could flip between a verification block and a step.
+    specedge turns it off unless the caller trades exactness for speed."""
+    assert cuda_provider_options(SessionConfig(provider="cuda"))["use_tf32"] == "0"
+    assert cuda_provider_options(SessionConfig(provider="cuda", tf32=True))["use_tf32"] == "1"
+    assert cuda_provider_options(helper_config(SessionConfig(provider="tensorrt")))[
+        "use_tf32"] == "0"
 
 
 def test_graph_run_options() -> None:
