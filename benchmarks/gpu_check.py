@@ -228,7 +228,13 @@ def find_gguf() -> Path | None:
 
 def export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[str]]]:
     """Each pair still to build: (name, output folder, HF models it needs, export argv), in the
-    order their sources are made."""
+    order their sources are made; only those named in GPU_CHECK_PAIRS (comma-separated) when it
+    is set (a diagnostic rerun builds what it needs only)."""
+    only = [n for n in os.environ.get("GPU_CHECK_PAIRS", "").split(",") if n]
+    return [job for job in all_export_jobs(plan) if not only or job[0] in only]
+
+
+def all_export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[str]]]:
     py, w, hf = sys.executable, plan.work, plan.work / "hf"
     spec = [py, "-m", "specedge.cli", "export"]
     if plan.smoke:

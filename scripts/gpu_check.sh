@@ -13,10 +13,20 @@
 # Each phase runs in its own process under `timeout`, inside one overall budget
 # (GPU_CHECK_BUDGET_S, default 450 s, so the script ends in under 8 minutes); a phase that fails
 # or hangs loses only its own results, and the report is always written from what the others left.
+#
+# --diag (with or without --cpu-smoke): build only the pairs the diagnostics need and run
+# benchmarks/gpu_diag.py's phases instead (OUT/gpu_diag.{md,json}; a few minutes on the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
-[ "${1:-}" = "--cpu-smoke" ] && MODE=cpu-smoke
+DIAG=0
+for arg in "$@"; do
+  case $arg in
+    --cpu-smoke) MODE=cpu-smoke ;;
+    --diag) DIAG=1 ;;
+    *) echo "usage: scripts/gpu_check.sh [--cpu-smoke] [--diag]" >&2; exit 2 ;;
+  esac
+done
 BUDGET=${GPU_CHECK_BUDGET_S:-$([ $MODE = gpu ] && echo 450 || echo 180)}
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
@@ -59,14 +69,38 @@ run_phase() {
   fi
   echo "== $name (up to ${limit} s)"
   t0=$(date +%s)
-  timeout -k 5 "$limit" "$PY" benchmarks/gpu_check.py "$name" --work "$WORK" --out "$OUT_DIR" \
+  local script=benchmarks/gpu_check.py phase=$name
+  case $name in diag-*) script=benchmarks/gpu_diag.py; phase=${name#diag-} ;; esac
+  timeout -k 5 "$limit" "$PY" "$script" "$phase" --work "$WORK" --out "$OUT_DIR" \
     --deadline $((t0 + limit)) "${SMOKE[@]}" "$@" 2>&1 | tee "$WORK/logs/phase-$name.log"
   rc=${PIPESTATUS[0]}
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" $(($(date +%s) - t0)) "$limit" >> "$WORK/parts/phases.tsv"
   [ $rc -ne 0 ] && echo "== $name exited $rc$([ $rc -ge 124 ] && echo ' (timed out)')"
 }
 
-if [ $MODE = gpu ]; then
+# On the lent GPU machine only $OUT comes back, at most 8 files: the logs in one file (the last
+# 200 KB of each) and the phases' raw results in one archive, so a failed export or phase can be
+# read without another run.
+take_logs() {
+  [ -n "${OUT:-}" ] || return 0
+  for f in "$WORK"/logs/*.log; do
+    [ -f "$f" ] && { echo "===== $(basename "$f")"; tail -c 200000 "$f"; echo; }
+  done > "$OUT/gpu_logs.txt"
+  tar -czf "$OUT/gpu_parts.tar.gz" -C "$WORK" parts 2>/dev/null || true
+}
+
+if [ $DIAG = 1 ]; then
+  [ $MODE = gpu ] && export GPU_CHECK_PAIRS=${GPU_CHECK_PAIRS:-ref-cuda,ref-concat,qwen2.5-1.5b}
+  s=$([ $MODE = gpu ] && echo 1 || echo 0)   # phase caps: seconds on the GPU, else a smoke's
+  run_phase build $((s ? 100 : 60))   # the export still running then goes on in the background
+  # the report after each phase: a machine taken back mid-run still returns what was done
+  for phase in profile:30 rounds:40 exact:40 tf32:30 nan:20; do
+    run_phase "diag-${phase%:*}" $((s ? ${phase#*:} : 20))
+    timeout -k 5 30 "$PY" benchmarks/gpu_diag.py report --work "$WORK" --out "$OUT_DIR" \
+      "${SMOKE[@]}" >/dev/null
+    take_logs
+  done
+elif [ $MODE = gpu ]; then
   run_phase env 30
   run_phase build 170     # exports still running at the end go on in the background
   run_phase check 60      # also with CUDA graphs on and with the argmax on the host
@@ -82,14 +116,7 @@ else
   run_phase hf 20
 fi
 # the report always runs, even past the budget
-timeout -k 5 30 "$PY" benchmarks/gpu_check.py report --work "$WORK" --out "$OUT_DIR" "${SMOKE[@]}"
-# On the lent GPU machine only $OUT comes back, at most 8 files: take the logs along in one file
-# (the last 200 KB of each) and the phases' raw results in one archive, so a failed export or
-# phase can be read without another run.
-if [ -n "${OUT:-}" ]; then
-  for f in "$WORK"/logs/*.log; do
-    [ -f "$f" ] && { echo "===== $(basename "$f")"; tail -c 200000 "$f"; echo; }
-  done > "$OUT/gpu_logs.txt"
-  tar -czf "$OUT/gpu_parts.tar.gz" -C "$WORK" parts 2>/dev/null || true
-fi
+[ $DIAG = 0 ] && timeout -k 5 30 "$PY" benchmarks/gpu_check.py report --work "$WORK" \
+  --out "$OUT_DIR" "${SMOKE[@]}"
+take_logs
 echo "gpu_check ($MODE) took $(($(date +%s) - START)) s; logs in $WORK/logs"
