@@ -534,6 +534,11 @@ class KVCache:
 _NO_ROWS = np.zeros(0, np.int64)
 MAX_FIXED_WIDTH = 16  # widest step run on fixed buffers (a graph each); wider: plain runs
 KEPT_LOGITS = 8  # logits shapes a cache keeps on the device (steps, blocks, batch sizes)
+# Pasts the row probe computes a position after (`OrtModel.probe_rows`), per device: GPU kernels
+# change their split of the keys with the past's length (CUDA's did between 32 and 64 on the
+# H200); the CPU's one-row difference shows after a short past already, and a long one would add
+# ~0.5 s to loading the reference pair on a small CPU.
+ROW_PROBE_PASTS = {"cpu": (4,), "cuda": (4, 128)}
 GRAPH_WARMUP_RUNS = 2  # plain runs of a width before its CUDA graph is captured (ORT's minimum)
 
 
@@ -845,29 +850,44 @@ class OrtModel:
 
     def probe_rows(self) -> RowProbe | None:
         """Compute one position alone, as the second row of a two-token block and as the third
-        of a three-token one (fresh caches, plain runs, five arbitrary tokens) and compare its
-        logits; None when the model's context is shorter than five tokens, or when it cannot run
-        them (NaN logits, say: its first generation then reports why)."""
+        of a three-token one (fresh caches, plain runs, arbitrary tokens) after the pasts of
+        `ROW_PROBE_PASTS` (a short one, and on a GPU a long one), and compare its logits; None
+        when the model's context is shorter than five tokens, or when it cannot run them (NaN
+        logits, say: its first generation then reports why).
+
+        The long past matters on GPUs: on the H200, CUDA's GroupQueryAttention computed a
+        one-token step exactly as a block after 4 and 32 past tokens, but not after 64 or 128
+        (docs/results/gpu_diag.md), and greedy speculation then differed at fp16 near-ties."""
         spec = self.spec
         if spec.max_seq_len < 5:
             return None
-        ids = (np.arange(5, dtype=np.int64) * 7919 + 11) % spec.vocab_size
+        probes = []
+        on, self.two_row_steps = self.two_row_steps, False
+        try:
+            pasts = ROW_PROBE_PASTS[self.config.device]
+            for n in sorted({min(past + 1, spec.max_seq_len) for past in pasts}):
+                probes.append(self._probe_at(n))
+        except ModelError as exc:
+            log.debug("row probe of the %s model skipped: %s", self.name, exc)
+            return None
+        finally:
+            self.two_row_steps = on
+        return RowProbe.worst(probes)
+
+    def _probe_at(self, n: int) -> RowProbe:
+        """The row probe on `n` arbitrary tokens: the last one alone after n - 1, and as the
+        last row of blocks of two and three."""
+        spec = self.spec
+        ids = (np.arange(n, dtype=np.int64) * 7919 + 11) % spec.vocab_size
         # At least the cache a generation gets (a sliding-window model refuses a shorter one).
-        length = min(spec.max_seq_len, max(5, spec.min_cache_len))
+        length = min(spec.max_seq_len, max(n, spec.min_cache_len))
 
         def last(split: int) -> np.ndarray:
             cache = KVCache(self, 1, length, fixed=False)
             self.forward(cache, ids[None, :split])
             return self.forward(cache, ids[None, split:])[0, -1].astype(np.float64)
 
-        on, self.two_row_steps = self.two_row_steps, False
-        try:
-            alone, two, three = last(4), last(3), last(2)
-        except ModelError as exc:
-            log.debug("row probe of the %s model skipped: %s", self.name, exc)
-            return None
-        finally:
-            self.two_row_steps = on
+        alone, two, three = last(n - 1), last(n - 2), last(n - 3)
         return RowProbe(single=float(np.abs(alone - two).max()),
                         block=float(np.abs(two - three).max()),
                         scale=float(np.abs(two).max()))

@@ -15,6 +15,7 @@ steps should run as two rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 ROW_TOLERANCE = 1e-3  # logit differences under this x the logits' scale are rounding
@@ -34,6 +35,13 @@ class RowProbe:
     single: float
     block: float
     scale: float
+
+    @classmethod
+    def worst(cls, probes: Sequence[RowProbe]) -> RowProbe:
+        """One verdict over probes at several pasts: the largest differences, judged against
+        the smallest logits' scale (a difference at any past is enough to flip a near-tie)."""
+        return cls(single=max(p.single for p in probes), block=max(p.block for p in probes),
+                   scale=min(p.scale for p in probes))
 
     @property
     def blocks_agree(self) -> bool:

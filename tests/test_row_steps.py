@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from specedge.runtime import backend
 from specedge.runtime.backend import OrtModel
 from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
 from specedge.runtime.rowprobe import RowProbe
@@ -61,6 +62,38 @@ def test_probe_rules() -> None:
     dynamic = RowProbe(single=0.064, block=0.060, scale=2.1)  # per-tensor activation scales
     assert not dynamic.needs_two_rows and not dynamic.blocks_agree
     assert "not batch-invariant" in dynamic.describe()
+
+
+def test_probe_verdict_over_several_pasts() -> None:
+    short = RowProbe(single=0.0, block=0.0, scale=30.3)  # H200, fp16, past 4 and 32
+    long = RowProbe(single=0.047, block=0.0, scale=22.2)  # past 128 (docs/results/gpu_diag.md)
+    assert not short.needs_two_rows
+    worst = RowProbe.worst([short, long])
+    assert worst == RowProbe(single=0.047, block=0.0, scale=22.2) and worst.needs_two_rows
+    assert not RowProbe.worst([long, RowProbe(0.0, 0.5, 20.0)]).blocks_agree
+
+
+def test_probe_looks_after_a_long_past(fixtures_dir: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The regression test for the H200's finding: one-token steps that differ from blocks only
+    after a long past (CUDA's attention splits its keys by the past's length) must still turn
+    two-row steps on; the probe looked after 4 tokens only, and said batch-invariant. (Shown
+    on the CPU with the GPU's pasts and a kernel switch made up at 64.)"""
+    assert max(backend.ROW_PROBE_PASTS["cuda"]) >= 64
+    monkeypatch.setitem(backend.ROW_PROBE_PASTS, "cpu", backend.ROW_PROBE_PASTS["cuda"])
+    pair = Pair.load(fixtures_dir / "tiny-llama", load_draft=False)
+    model = pair.target
+    assert model.spec.max_seq_len > 128 and not model.row_probe.needs_two_rows
+    inner = model.forward
+
+    def long_past_differs(cache, tokens):  # noqa: ANN001, ANN202 - a kernel switch at 64
+        past = int(cache.lengths[0])
+        logits = inner(cache, tokens)
+        return logits + 0.5 if tokens.shape[1] == 1 and past >= 64 else logits
+
+    model.forward = long_past_differs  # type: ignore[method-assign]
+    probe = model.probe_rows()
+    assert probe is not None and probe.needs_two_rows and probe.block == 0.0
 
 
 @pytest.mark.parametrize("fixture,options", [
