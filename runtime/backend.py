@@ -534,6 +534,12 @@ class KVCache:
 _NO_ROWS = np.zeros(0, np.int64)
 MAX_FIXED_WIDTH = 16  # widest step run on fixed buffers (a graph each); wider: plain runs
 KEPT_LOGITS = 8  # logits shapes a cache keeps on the device (steps, blocks, batch sizes)
+# The most positions (rows x positions) the greedy head takes the argmax of on the device. On
+# the H200 it ran in 0.17-0.25 ms for one position but in 5.2-5.6 ms for 2 to 8 (its broadcast
+# compare and reductions over several rows; docs/results/gpu_diag.md), while copying a few
+# rows of logits to numpy's argmax cost far less (K=3: 171 tok/s with the argmax on the host,
+# 130 with the head; docs/results/gpu_h200.md). One-row steps keep the head.
+HEAD_MAX_POSITIONS = 1
 # Pasts the row probe computes a position after (`OrtModel.probe_rows`), per device: GPU kernels
 # change their split of the keys with the past's length (CUDA's did between 32 and 64 on the
 # H200); the CPU's one-row difference shows after a short past already, and a long one would add
@@ -974,7 +980,8 @@ class OrtModel:
                 return ids.reshape(hidden.shape[:2])
             # A wide block: the int8 head's cost grows by the row, the float head's barely.
             raw, skip, last = self.split.logits(hidden), 0, False
-        if self.head is None:
+        head = self._head_for(raw)
+        if head is None:
             # Few, cheap operations: after a run has streamed the weights through the caches,
             # every extra numpy call between two runs costs ~0.1 ms on a small CPU.
             logits = _host(raw)[:, -1:] if last else _host(raw)[:, skip:]
@@ -986,13 +993,22 @@ class OrtModel:
             if not finite:
                 raise self._not_finite()
             return ids.astype(np.int64, copy=False)
-        ids, sums, _ = self.head.run(_value(raw), _NO_ROWS)
+        ids, sums, _ = head.run(_value(raw), _NO_ROWS)
         # The positions the caller gets only, as on the host path: a prefill's earlier
         # positions (and a two-row step's re-fed one) are not used, and may overflow on their own.
         used = slice(-1, None) if last else slice(skip, None)
         if not np.isfinite(sums[:, used]).all():
             raise self._not_finite()
         return ids[:, used]
+
+    def _head_for(self, logits: ort.OrtValue | np.ndarray) -> GreedyHead | None:
+        """The greedy head for these logits where it pays: logits of at most
+        `HEAD_MAX_POSITIONS` positions (rows x positions). Wider calls copy their logits to the
+        host for numpy's argmax (the same ids and the same finiteness rule)."""
+        if self.head is None:
+            return None
+        shape = logits.shape if isinstance(logits, np.ndarray) else logits.shape()
+        return self.head if shape[0] * shape[1] <= HEAD_MAX_POSITIONS else None
 
     def _not_finite(self) -> ModelError:
         return ModelError(
@@ -1086,8 +1102,9 @@ class OrtModel:
         new_lens = np.asarray(new_lens, dtype=np.int64)
         logits, valid, skip = self._rows_step(cache, rows, tokens, new_lens)
         valid = valid[:, skip:]
-        if self.head is not None:
-            ids, sums, kept = self.head.run(_value(logits), np.flatnonzero(~greedy))
+        head = self._head_for(logits)
+        if head is not None:
+            ids, sums, kept = head.run(_value(logits), np.flatnonzero(~greedy))
             ids, sums, kept = ids[:, skip:], sums[:, skip:], kept[:, skip:]
             if not np.isfinite(sums[valid]).all():
                 raise self._not_finite()

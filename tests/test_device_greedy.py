@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from specedge.runtime import backend
 from specedge.runtime.backend import (
     GRAPH_WARMUP_RUNS,
     MAX_FIXED_WIDTH,
@@ -45,6 +46,14 @@ def _with(pair_dir: Path, **options: object) -> Pair:
     plan = plan_threads()
     return Pair.load(pair_dir, plan=ThreadPlan(replace(plan.target, **options),  # type: ignore[arg-type]
                                                replace(plan.draft, **options)))  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def _head_on_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the greedy head's ids on every call shape (steps, blocks, batches,
+    prefills), so the head takes them all here; by default it takes one-position calls only
+    (`HEAD_MAX_POSITIONS`, see `test_the_head_takes_one_position_calls_by_default`)."""
+    monkeypatch.setattr(backend, "HEAD_MAX_POSITIONS", 1 << 30)
 
 
 class _Spy:
@@ -154,6 +163,29 @@ def test_device_argmax_refuses_nan_logits(tiny_pair_dir: Path) -> None:
     cache = on.target.new_cache(1, 16)
     with pytest.raises(ModelError, match="NaN or inf"):
         on.target.forward_argmax(cache, np.asarray([[1, 2, 3]], np.int64))
+
+
+def test_the_head_takes_one_position_calls_by_default(tiny_pair_dir: Path, tiny_pair: Pair,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the H200 the head cost 5.2-5.6 ms for 2-8 positions and 0.17 ms for one, so by
+    default blocks, prefills and two-row steps take numpy's argmax on host logits and one-row
+    steps the head; the tokens are the same either way."""
+    monkeypatch.undo()
+    assert backend.HEAD_MAX_POSITIONS == 1
+    on = _with(tiny_pair_dir, device_argmax=True)
+    assert on.target.head is not None
+    widths: list[tuple[int, int]] = []
+    inner = on.target.head.run
+
+    def seen(logits, keep):  # noqa: ANN001, ANN202
+        widths.append(tuple(logits.shape()[:2]))
+        return inner(logits, keep)
+
+    on.target.head.run = seen  # type: ignore[method-assign]
+    for cfg in (GenerationConfig(max_new_tokens=24, drafter="none"), *SPECULATIVE):
+        want = tiny_pair.generate(PROMPTS[0], cfg).tokens
+        assert on.generate(PROMPTS[0], cfg).tokens == want
+    assert widths and set(widths) == {(1, 1)}  # the one-row steps, and only they
 
 
 def test_device_argmax_judges_only_the_positions_it_returns(tiny_pair_dir: Path) -> None:
