@@ -541,10 +541,11 @@ KEPT_LOGITS = 8  # logits shapes a cache keeps on the device (steps, blocks, bat
 # 130 with the head; docs/results/gpu_h200.md). One-row steps keep the head.
 HEAD_MAX_POSITIONS = 1
 # Pasts the row probe computes a position after (`OrtModel.probe_rows`), per device: GPU kernels
-# change their split of the keys with the past's length (CUDA's did between 32 and 64 on the
+# change their split of the keys with the past's length (CUDA's did between 34 and 66 on the
 # H200); the CPU's one-row difference shows after a short past already, and a long one would add
 # ~0.5 s to loading the reference pair on a small CPU.
-ROW_PROBE_PASTS = {"cpu": (4,), "cuda": (4, 128)}
+# (66 and 130: the pasts at which the H200's steps differed, diag `exact`, the same tokens.)
+ROW_PROBE_PASTS = {"cpu": (4,), "cuda": (4, 66, 130)}
 GRAPH_WARMUP_RUNS = 2  # plain runs of a width before its CUDA graph is captured (ORT's minimum)
 
 
@@ -857,12 +858,12 @@ class OrtModel:
     def probe_rows(self) -> RowProbe | None:
         """Compute one position alone, as the second row of a two-token block and as the third
         of a three-token one (fresh caches, plain runs, arbitrary tokens) after the pasts of
-        `ROW_PROBE_PASTS` (a short one, and on a GPU a long one), and compare its logits; None
+        `ROW_PROBE_PASTS` (a short one, and on a GPU longer ones), and compare its logits; None
         when the model's context is shorter than five tokens, or when it cannot run them (NaN
         logits, say: its first generation then reports why).
 
         The long past matters on GPUs: on the H200, CUDA's GroupQueryAttention computed a
-        one-token step exactly as a block after 4 and 32 past tokens, but not after 64 or 128
+        one-token step exactly as a block after 6, 18 and 34 past tokens, but not after 66 or 130
         (docs/results/gpu_diag.md), and greedy speculation then differed at fp16 near-ties."""
         spec = self.spec
         if spec.max_seq_len < 5:
