@@ -862,7 +862,7 @@ class OrtModel:
         when the model's context is shorter than five tokens, or when it cannot run them (NaN
         logits, say: its first generation then reports why).
 
-        The long past matters on GPUs: on the H200, CUDA's GroupQueryAttention computed a
+        The long pasts matter on GPUs: on the H200, the CUDA EP's kernels computed a
         one-token step exactly as a block after 6, 18 and 34 past tokens, but not after 66 or 130
         (docs/results/gpu_diag.md), and greedy speculation then differed at fp16 near-ties."""
         spec = self.spec

@@ -93,7 +93,7 @@ def test_probe_looks_after_a_long_past(fixtures_dir: Path,
 
     model.forward = long_past_differs  # type: ignore[method-assign]
     probe = model.probe_rows()
-    assert probe is not None and probe.needs_two_rows and probe.block == 0.0
+    assert probe is not None and probe.needs_two_rows and probe.blocks_agree
 
 
 @pytest.mark.parametrize("fixture,options", [
