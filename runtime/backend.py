@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from .device_kv import DeviceKV, KVOps
+from .device_kv import DeviceKV, KVOps, zero_fill
 from .errors import InputError, ManifestError, ModelError
 from .manifest import MANIFEST_NAME, ModelSpec, confine
 from .onnx_file import external_data_files
@@ -445,8 +445,13 @@ def _allocate_kv(model: OrtModel, batch: int, max_len: int
                 device=model.config.device, device_id=model.config.device_id)
         for _ in range(2 * spec.num_layers):
             if spec.graph == "gqa-shared":
-                values.append(ort.OrtValue.ortvalue_from_shape_and_type(
-                    shape, dtype, model.config.device, model.config.device_id))
+                value = ort.OrtValue.ortvalue_from_shape_and_type(
+                    shape, dtype, model.config.device, model.config.device_id)
+                # Zeros, not the allocator's leftovers: on the H200, random-weight fp16 pairs
+                # refused NaN logits in a process that had run another pair before, and ran in
+                # a fresh one (docs/results/gpu_h200.md and gpu_diag.md `nan`).
+                zero_fill(model.kv_ops(), value, model.config.device_id)
+                values.append(value)
             else:
                 host.append(np.zeros(shape, dtype=dtype))
     except Exception as exc:  # MemoryError, onnxruntime's allocation failures
@@ -922,11 +927,12 @@ class OrtModel:
         return free.pop() if free else FixedBuffers(self, batch, max_len)
 
     def kv_ops(self) -> KVOps:
-        """The graphs that move a concat-form cache's rows on the device (made once)."""
+        """The graphs that zero new KV buffers and move a concat-form cache's rows on the
+        device (made once)."""
         if self._kv_ops is None:
             own = helper_config(self.config)
             self._kv_ops = KVOps(self.spec.kv.dtype, lambda path, what: start_session(
-                path, own, what, "reinstall specedge, or run the pair with device_kv off"))
+                path, own, what, "reinstall specedge"))
         return self._kv_ops
 
     def _give_back(self, fixed: FixedBuffers) -> None:

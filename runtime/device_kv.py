@@ -22,6 +22,7 @@ device for the greedy head. On the CPU the same code runs (tests) with host buff
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
@@ -33,9 +34,10 @@ Starter = Callable[[Path, str], ort.InferenceSession]
 
 
 class KVOps:
-    """The gather and scatter graphs of one KV dtype in sessions on a model's device."""
+    """The gather, scatter and zeros graphs of one KV dtype in sessions on a model's device."""
 
     def __init__(self, dtype: str, start: Starter) -> None:
+        self.dtype = np.dtype(dtype).type
         data = resources.files(__package__).joinpath("data")
         self.gather = start(Path(str(data.joinpath(f"kv_gather_{dtype}.onnx"))),
                             "the KV gather graph")
@@ -43,6 +45,21 @@ class KVOps:
                              "the KV scatter graph")
         self.zeros = start(Path(str(data.joinpath(f"kv_zeros_{dtype}.onnx"))),
                            "the KV zeros graph")
+
+
+def zero_fill(ops: KVOps, value: ort.OrtValue, device_id: int) -> None:
+    """Write zeros over `value` where it is (device `device_id` of its kind; of the zeros
+    graph's dtype), bound by address as a flat buffer, whatever its shape.
+
+    A KV buffer must start as zeros, not as whatever the allocator held: attention kernels may
+    load a tile's values past a row's length and multiply them by zero weights, and 0 x NaN is
+    NaN (flash-attention issues 1745, 2374). No host array as large as the buffer is made."""
+    size = math.prod(value.shape())
+    fill = ops.zeros.io_binding()
+    fill.bind_cpu_input("shape", np.array([size], np.int64))
+    fill.bind_output("zeros", value.device_name(), device_id, ops.dtype, [size],
+                     value.data_ptr())
+    ops.zeros.run_with_iobinding(fill)
 
 
 class Scratch:
@@ -81,10 +98,7 @@ class DeviceKV:
         # graph (no host array as large as the cache: a Jetson's memory is shared).
         shape = (batch, max_len + 1, self.n, heads, head_dim)
         self.cache = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, device_id)
-        fill = ops.zeros.io_binding()
-        fill.bind_cpu_input("shape", np.array(shape, np.int64))
-        fill.bind_ortvalue_output("zeros", self.cache)
-        ops.zeros.run_with_iobinding(fill)
+        zero_fill(ops, self.cache, device_id)
         self._pasts = Scratch(dtype, device, device_id)
         self._presents = Scratch(dtype, device, device_id)
         self._bound: tuple[int, int, int, int] | None = None  # rows, past, width, presents at

@@ -14,8 +14,9 @@ for the padding of short rows, never read).
            slots [r, width, 2] int64 (row, position)
            -> cache_out: the cache with presents[:, i, :, past + j] written at slots[i, j]; the
               runtime binds cache_out to the cache itself, so ScatterND writes in place
-  zeros:   shape [5] int64 -> zeros of that shape (a new cache, zero-filled on the device
-           without a host array as large as the cache)
+  zeros:   shape [1] int64 (an element count) -> that many zeros; the runtime binds the output
+           by address over a buffer of any shape (a new cache, zero-filled on the device without
+           a host array as large as the cache; each in-place gqa-shared KV buffer too)
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def zeros(dtype: int, name: str) -> onnx.ModelProto:
     nodes = [helper.make_node("ConstantOfShape", ["shape"], ["zeros"],
                               value=helper.make_tensor("zero", dtype, [1], [0]))]
     return _model(nodes, f"specedge_kv_zeros_{name}",
-                  [helper.make_tensor_value_info("shape", TensorProto.INT64, [5])],
-                  [helper.make_tensor_value_info("zeros", dtype, DIMS)])
+                  [helper.make_tensor_value_info("shape", TensorProto.INT64, [1])],
+                  [helper.make_tensor_value_info("zeros", dtype, ["size"])])
 
 
 def main(out: Path) -> None:

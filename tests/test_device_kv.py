@@ -120,6 +120,30 @@ def test_helper_graphs_run_on_cuda_under_tensorrt() -> None:
     assert helper_config(SessionConfig()).provider == "cpu"
 
 
+@pytest.mark.parametrize("options", [{}, {"fixed_buffers": True}])
+def test_gqa_caches_start_as_zeros(fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                   options: dict[str, bool]) -> None:
+    """The in-place (gqa-shared) KV buffers too: allocator leftovers (NaN here) must not survive
+    into a cache. On the H200 random-weight fp16 pairs refused NaN logits in a process that had
+    run another pair, and ran in a fresh one (docs/results/gpu_diag.md)."""
+    import onnxruntime as ort
+
+    real = ort.OrtValue.ortvalue_from_shape_and_type
+
+    def garbage(shape, dtype, device, device_id):  # noqa: ANN001, ANN202
+        value = real(shape, dtype, device, device_id)
+        junk = np.nan if np.issubdtype(dtype, np.floating) else -1  # the masks are int64
+        value.update_inplace(np.full(shape, junk, dtype))
+        return value
+
+    plan = plan_threads()
+    pair = Pair.load(fixtures_dir / "tiny-llama", load_draft=False, two_row_steps=False,
+                     plan=ThreadPlan(replace(plan.target, **options), plan.draft))
+    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_shape_and_type", staticmethod(garbage))
+    cache = pair.target.new_cache(1, 24)
+    assert cache.values and all(not v.numpy().any() for v in cache.values)
+
+
 def test_a_new_cache_is_zero_filled_on_the_device(on_device: Pair,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Allocator garbage (NaN here) must not survive: a masked position's value still meets a
