@@ -447,10 +447,8 @@ def _allocate_kv(model: OrtModel, batch: int, max_len: int
             if spec.graph == "gqa-shared":
                 value = ort.OrtValue.ortvalue_from_shape_and_type(
                     shape, dtype, model.config.device, model.config.device_id)
-                # Zeros, not the allocator's leftovers: on the H200, random-weight fp16 pairs
-                # refused NaN logits in a process that had run another pair before, and ran in
-                # a fresh one (docs/results/gpu_h200.md and gpu_diag.md `nan`).
-                zero_fill(model.kv_ops(), value, model.config.device_id)
+                if model.config.device in ZERO_KV_DEVICES:
+                    zero_fill(model.kv_ops(), value, model.config.device_id)
                 values.append(value)
             else:
                 host.append(np.zeros(shape, dtype=dtype))
@@ -539,6 +537,14 @@ class KVCache:
 _NO_ROWS = np.zeros(0, np.int64)
 MAX_FIXED_WIDTH = 16  # widest step run on fixed buffers (a graph each); wider: plain runs
 KEPT_LOGITS = 8  # logits shapes a cache keeps on the device (steps, blocks, batch sizes)
+# Devices whose in-place (gqa-shared) KV buffers are zero-filled when allocated, not left with
+# the allocator's leftovers: GPU attention kernels may load values past a row's length and
+# multiply them by zero weights (0 x NaN = NaN; flash-attention issues 1745, 2374), and on the
+# H200 random-weight fp16 pairs refused NaN logits in a process that had run another pair
+# before, and ran in a fresh one (docs/results/gpu_findings.md). ONNX Runtime's CPU kernel reads
+# only the valid positions, and there the fill would cost 1.6-22 ms per generation (128-2048
+# tokens of the reference pair, measured).
+ZERO_KV_DEVICES = frozenset({"cuda"})
 # The most positions (rows x positions) the greedy head takes the argmax of on the device. On
 # the H200 it ran in 0.17-0.25 ms for one position but in 5.2-5.6 ms for 2 to 8 (its broadcast
 # compare and reductions over several rows; docs/results/gpu_diag.md), while copying a few

@@ -123,10 +123,16 @@ def test_helper_graphs_run_on_cuda_under_tensorrt() -> None:
 @pytest.mark.parametrize("options", [{}, {"fixed_buffers": True}])
 def test_gqa_caches_start_as_zeros(fixtures_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                    options: dict[str, bool]) -> None:
-    """The in-place (gqa-shared) KV buffers too: allocator leftovers (NaN here) must not survive
-    into a cache. On the H200 random-weight fp16 pairs refused NaN logits in a process that had
-    run another pair, and ran in a fresh one (docs/results/gpu_diag.md)."""
+    """The in-place (gqa-shared) KV buffers too, on a GPU: allocator leftovers (NaN here) must
+    not survive into a cache. On the H200 random-weight fp16 pairs refused NaN logits in a
+    process that had run another pair, and ran in a fresh one (docs/results/gpu_findings.md).
+    The CPU's own kernel reads valid positions only, so the CPU is added here to run the fill."""
     import onnxruntime as ort
+
+    from specedge.runtime import backend
+
+    assert "cuda" in backend.ZERO_KV_DEVICES
+    monkeypatch.setattr(backend, "ZERO_KV_DEVICES", frozenset({"cuda", "cpu"}))
 
     real = ort.OrtValue.ortvalue_from_shape_and_type
 
