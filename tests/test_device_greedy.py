@@ -165,6 +165,18 @@ def test_device_argmax_refuses_nan_logits(tiny_pair_dir: Path) -> None:
         on.target.forward_argmax(cache, np.asarray([[1, 2, 3]], np.int64))
 
 
+def test_fp16_host_logits_argmax_as_float32() -> None:
+    """Blocks of an fp16 model take numpy's argmax on the host (the head takes one position):
+    converted to float32 first, the same ids, ties to the lowest as before."""
+    rng = np.random.default_rng(5)
+    logits = rng.integers(-3, 4, (2, 5, 300)).astype(np.float16) / np.float16(4)  # many ties
+    ready = backend._argmax_ready(logits)
+    assert ready.dtype == np.float32
+    assert np.array_equal(ready.argmax(-1), logits.argmax(-1))
+    same = np.zeros((1, 3), np.float32)
+    assert backend._argmax_ready(same) is same
+
+
 def test_the_head_takes_one_position_calls_by_default(tiny_pair_dir: Path, tiny_pair: Pair,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """On the H200 the head cost 5.2-5.6 ms for 2-8 positions and 0.17 ms for one, so by
