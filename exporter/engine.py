@@ -210,8 +210,9 @@ def check_graph_form(spec: ModelSpec, name: str, graph: GraphSummary) -> None:
             integer weights.
     """
     ops = contrib_ops(graph)
-    fix = ("for TensorRT export the pair with --graph concat and fp32 models (--precision fp32 "
-           "--draft DRAFT --draft-precision fp32); build-engine --fp16 runs them in FP16")
+    fix = ("for TensorRT export the pair with --graph concat-standard and fp32 models "
+           "(--precision fp32 --draft DRAFT --draft-precision fp32); build-engine --fp16 runs "
+           "them in FP16")
     if spec.graph != "concat" or ops:
         shown = ", ".join(f"{op} x{n}" for op, n in ops.most_common(4)) or "none"
         raise ExportError(

@@ -5,14 +5,19 @@
   number of new tokens with a past, return logits for every new position, and accept one KV buffer
   per layer bound as both past and present. Precisions: fp32, fp16 (CUDA), int8/int4 weight-only
   (MatMulNBits, RTN) straight from the builder.
-- concat: `torch.onnx.export` (TorchScript exporter) of a small wrapper around the HF model with
-  standard ops, legacy tuple KV in and out. Used for families the builder does not cover (gpt2).
+- concat: present = concat(past, new), any batch with any number of new tokens after a past.
+  For the builder's families, the builder's graph with each GroupQueryAttention rewritten into
+  standard-op attention (`concat_form`, `concat_from_gqa`: fused norms and weights kept). Else,
+  and with `--graph concat-standard` (standard ops only, what TensorRT takes),
+  `torch.onnx.export` (TorchScript exporter) of a small wrapper around the HF model, legacy
+  tuple KV in and out (`export_concat`).
 
 Both return a `GraphInfo` the manifest is built from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -108,6 +113,25 @@ def build_gqa(hf_dir: Path, out: Path, precision: str, provider: str, cache: Pat
                                  if n.op_type == "GroupQueryAttention"
                                  for a in n.attribute if a.name == "local_window_size"]),
     )
+
+
+def concat_from_gqa(info: GraphInfo) -> GraphInfo:
+    """Rewrite the builder's graph at `info.onnx_path` into the concat form, in place (its
+    weights file is untouched); a graph already in the concat form is returned as it is.
+
+    Raises:
+        concat_form.RewriteUnsupported: sliding windows or soft-capping (use the torch export).
+    """
+    import onnx
+
+    from .concat_form import POSITION_IDS, gqa_to_concat
+
+    if info.graph == "concat":
+        return info
+    model = onnx.load(str(info.onnx_path), load_external_data=False)
+    gqa_to_concat(model)
+    onnx.save(model, str(info.onnx_path))
+    return dataclasses.replace(info, graph="concat", position_ids=POSITION_IDS, min_cache_len=1)
 
 
 def export_concat(hf_dir: Path, out: Path, arch: ArchSpec, precision: str) -> GraphInfo:

@@ -43,9 +43,10 @@ from specedge.runtime.manifest import (
 
 from . import onnx_export, quantize, sources, validate
 from .archs import arch_for, default_graph
+from .concat_form import RewriteUnsupported
 from .split_head import split_head
 
-GRAPHS = ("gqa-shared", "concat")
+GRAPHS = ("gqa-shared", "concat", "concat-standard")
 PRECISIONS = ("fp32", "fp16", *quantize.EXPORT_METHODS)  # what an export can write
 PROVIDERS = ("cpu", "cuda")  # what the graphs can be built for
 
@@ -66,8 +67,11 @@ class ExportOptions:
         force: replace an existing output folder.
         validate: compare every model with torch after export.
         graph: graph form for both models: None for the family's default (archs.py),
-            "gqa-shared" or "concat" (standard ops; needed for batched speculative decoding on
-            CPU, where GroupQueryAttention refuses batch > 1 with several new tokens and a past).
+            "gqa-shared", "concat" (needed for batched speculative decoding, where
+            GroupQueryAttention refuses batch > 1 with several new tokens and a past: the
+            builder's graph with its attention rewritten, `concat_form`) or "concat-standard"
+            (the torch export, standard ops only: what TensorRT takes; the only concat form of
+            families the builder lacks). Both concat forms are "concat" in the manifest.
         chat_template: a jinja file copied into the pair as chat_template.jinja, in place of
             the source's (HF folder or GGUF metadata).
         drafter: the pair's default drafter (None: "model" with a draft model, else "ngram").
@@ -93,7 +97,7 @@ class ExportOptions:
         if self.drafter is not None and self.drafter not in DRAFTERS:
             raise InputError(f"drafter {self.drafter!r}: use one of {', '.join(DRAFTERS)}")
         if self.graph is not None and self.graph not in GRAPHS:
-            raise InputError(f"--graph {self.graph!r}: use auto, gqa-shared or concat")
+            raise InputError(f"--graph {self.graph!r}: use auto, {', '.join(GRAPHS)}")
         for key, value in (("precision", self.precision), ("draft_precision",
                                                             self.draft_precision)):
             if value is not None and value not in PRECISIONS:
@@ -307,16 +311,19 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
     config = AutoConfig.from_pretrained(str(src.folder))
     arch = arch_for(config, where=str(src.folder))
     family_graph = default_graph(arch, config)
-    graph = opts.graph or family_graph
-    if graph != family_graph and family_graph == "concat":
+    asked = opts.graph or family_graph
+    if asked == "gqa-shared" and family_graph == "concat":
         raise ExportError(f"{src.folder}: this {arch.model_type} exports only the concat graph "
                           f"form (the ONNX Runtime GenAI builder does not cover it); drop "
-                          f"--graph {graph} or use --graph concat")
+                          f"--graph {asked} or use --graph concat")
+    # "concat" of a builder family: the builder's graph, its attention rewritten (concat_form).
+    rewrite = asked == "concat" and family_graph == "gqa-shared"
+    graph = "gqa-shared" if rewrite else "concat" if asked.startswith("concat") else asked
     method = quantize.EXPORT_METHODS.get(precision)
     if graph == "concat" and precision != "fp32" and method is None:
         raise ExportError(f"{src.folder}: {arch.model_type} exports fp32, "
-                          f"{', '.join(quantize.EXPORT_METHODS)} (not {precision}) in the concat "
-                          "form")
+                          f"{', '.join(quantize.EXPORT_METHODS)} (not {precision}) in the "
+                          "standard-op concat form")
     quant: dict[str, Any] | None = None
     if graph == "gqa-shared" and _builder_writes(precision, opts):
         info = onnx_export.build_gqa(src.folder, work / f"{name}-onnx", precision, opts.provider,
@@ -346,6 +353,14 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
                      "accuracy_level": settings.accuracy_level, "symmetric": settings.symmetric,
                      "peak_rss_mib": peak}
             precision = settings.precision  # int8-rtn is an int8 model
+    if rewrite:
+        try:
+            info = onnx_export.concat_from_gqa(info)
+        except RewriteUnsupported as exc:
+            say(f"{name}: {exc}: exporting the standard-op concat form with torch instead")
+            return _export_model(src, precision, name,
+                                 dataclasses.replace(opts, graph="concat-standard"), tmp, work,
+                                 say=say)
     moved = onnx_export.move_model(info.onnx_path, tmp / name)
     files = {str(p.relative_to(tmp)): sha256_file(p) for p in moved}
     source = {**src.provenance(), "model_type": config_dict.get("model_type"),

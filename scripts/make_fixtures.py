@@ -3,7 +3,8 @@
 Usage: python scripts/make_fixtures.py OUT_DIR
 Writes OUT_DIR/tiny-llama (fp32 target + int4 self-draft), OUT_DIR/tiny-llama-int8
 (fp32 target + int8 self-draft), OUT_DIR/tiny-llama-concat (fp32 target + int4 self-draft, both
-in the concat graph form, for batched speculative decoding on CPU) and
+in the concat graph form, for batched speculative decoding), OUT_DIR/tiny-llama-std (the same in
+the standard-op concat form of the torch export, which TensorRT takes) and
 OUT_DIR/tiny-llama-int8static (its target quantized with calibrated static int8 QDQ by
 `specedge quantize`) and OUT_DIR/tiny-llama-split (tiny-llama with its target's head split off,
 as `export` does for heads of a MiB or more). Pairs already in OUT_DIR are kept. Needs the
@@ -24,6 +25,7 @@ PAIRS: dict[str, tuple[str, str | None]] = {
     "tiny-llama": ("int4", None),
     "tiny-llama-int8": ("int8", None),
     "tiny-llama-concat": ("int4", "concat"),
+    "tiny-llama-std": ("int4", "concat-standard"),
 }
 
 

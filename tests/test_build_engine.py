@@ -115,10 +115,11 @@ def fake_tensorrt(root: Path, spec: Any, name: str, folder: Path, profile: Engin
 
 @pytest.fixture
 def concat_pair(fixtures_dir: Path, tmp_path: Path) -> Path:
-    """A concat pair of float models TensorRT can take whole: the tiny fp32 concat target and
-    a copy of it as the draft (a self-draft; the fixture's own draft is int4 MatMulNBits)."""
+    """A concat pair of float models TensorRT can take whole: the tiny fp32 standard-op concat
+    target and a copy of it as the draft (a self-draft; the fixture's own draft is int4
+    MatMulNBits)."""
     dest = tmp_path / "pair"
-    shutil.copytree(fixtures_dir / "tiny-llama-concat", dest)
+    shutil.copytree(fixtures_dir / "tiny-llama-std", dest)
     manifest = load_manifest(dest)
     shutil.rmtree(dest / "draft")
     shutil.copytree(dest / "target", dest / "draft")  # model.onnx and its external data
@@ -227,15 +228,20 @@ def test_graph_form_refused_for_contrib_ops(fixtures_dir: Path) -> None:
     gqa = load_manifest(fixtures_dir / "tiny-llama", verify_hashes=False)
     graph = read_graph(gqa.root / gqa.target.path)
     assert contrib_ops(graph)["com.microsoft.GroupQueryAttention"] == gqa.target.num_layers
-    with pytest.raises(ExportError, match="GroupQueryAttention.*--graph concat"):
+    with pytest.raises(ExportError, match="GroupQueryAttention.*--graph concat-standard"):
         check_graph_form(gqa.target, "target", graph)
-    concat = load_manifest(fixtures_dir / "tiny-llama-concat", verify_hashes=False)
+    # The default concat form keeps the builder's fused ops: batched, but not for TensorRT.
+    fused = load_manifest(fixtures_dir / "tiny-llama-concat", verify_hashes=False)
+    with pytest.raises(ExportError, match=r"concat with .*RotaryEmbedding.*--graph "
+                                          r"concat-standard"):
+        check_graph_form(fused.target, "target", read_graph(fused.root / fused.target.path))
+    concat = load_manifest(fixtures_dir / "tiny-llama-std", verify_hashes=False)
     check_graph_form(concat.target, "target", read_graph(concat.root / concat.target.path))
     with pytest.raises(ExportError, match=r"the draft model .*MatMulNBits x\d+"):
         plan_profiles(concat, EngineOptions(pair=concat.root))
     # int8-dynamic is standard ops (MatMulInteger) that TensorRT does not take either
     int8 = dataclasses.replace(concat.target, precision="int8")
-    with pytest.raises(ExportError, match="is int8.*--graph concat and fp32 models"):
+    with pytest.raises(ExportError, match="is int8.*--graph concat-standard and fp32 models"):
         check_graph_form(int8, "target", read_graph(concat.root / concat.target.path))
 
 

@@ -175,7 +175,8 @@ def test_fp16_for_cuda_exports_and_validates_on_cpu(work: Path) -> None:
 def test_graph_option_is_checked(tmp_path: Path, work: Path) -> None:
     from specedge.exporter.tiny import make_tiny_model
 
-    with pytest.raises(SpecEdgeError, match="--graph 'gqa': use auto, gqa-shared or concat"):
+    with pytest.raises(SpecEdgeError,
+                       match="--graph 'gqa': use auto, gqa-shared, concat, concat-standard"):
         _export(tmp_path / "whatever", tmp_path / "out", graph="gqa")
     gpt2 = make_tiny_model("gpt2", tmp_path / "gpt2", seed=0)
     with pytest.raises(SpecEdgeError, match="exports only the concat graph form"):
@@ -183,21 +184,35 @@ def test_graph_option_is_checked(tmp_path: Path, work: Path) -> None:
     _no_leftovers(tmp_path / "out")
     llama = make_tiny_model("llama", tmp_path / "llama", seed=0)
     with pytest.raises(SpecEdgeError,
-                       match=r"fp32, int8, int4, int8-rtn \(not fp16\) in the concat"):
-        _export(llama, tmp_path / "out", precision="fp16", provider="cuda", graph="concat")
+                       match=r"fp32, int8, int4, int8-rtn \(not fp16\) in the standard-op"):
+        _export(llama, tmp_path / "out", precision="fp16", provider="cuda",
+                graph="concat-standard")
     _no_leftovers(tmp_path / "out")
 
 
-@pytest.fixture(scope="module")
-def llama_concat_pair(work: Path) -> Path:
+def _op_types(onnx_file: Path) -> set[str]:
+    import onnx
+
+    return {n.op_type for n in onnx.load(str(onnx_file), load_external_data=False).graph.node}
+
+
+@pytest.fixture(scope="module", params=["concat", "concat-standard"])
+def llama_concat_pair(work: Path, request: pytest.FixtureRequest) -> Path:
+    """The tiny llama pair in each concat form: the builder's graph with its attention
+    rewritten (fused ops kept), and the torch export (standard ops only)."""
     from specedge.exporter.tiny import make_tiny_model
 
-    hf = make_tiny_model("llama", work / "llama-concat-hf", seed=6)
-    report = _export(hf, work / "llama-concat", draft_precision="int4", graph="concat")
+    hf = work / "llama-concat-hf"
+    if not (hf / "config.json").is_file():
+        make_tiny_model("llama", hf, seed=6)
+    report = _export(hf, work / request.param, draft_precision="int4", graph=request.param)
     target, draft = report.manifest.target, report.manifest.draft
     assert target.graph == "concat" and target.precision == "fp32"
     assert draft is not None and draft.graph == "concat" and draft.precision == "int4"
     assert target.validation["passed"] and target.validation["batch2_max_abs_diff"] <= 1e-5
+    ops = _op_types(report.folder / "target" / "model.onnx")
+    assert "GroupQueryAttention" not in ops
+    assert ("RotaryEmbedding" in ops) == (request.param == "concat")
     return report.folder
 
 
@@ -269,6 +284,34 @@ def test_llama_concat_ragged_batch_matches_batch1(llama_concat_pair: Path, model
     # The new tokens' keys/values land after the holes, equal to the batch-1 ones.
     for got, want in zip(present, present1, strict=True):
         np.testing.assert_allclose(got[1, :, 5:], want[0, :, 3:], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma", "gemma2"])
+def test_families_export_in_the_fused_concat_form(work: Path, arch: str) -> None:
+    """`--graph concat` rewrites the builder's attention for every builder family (separate
+    q/k/v inputs with Qwen3's q/k norms, Gemma's scale), and falls back to the torch export
+    where the rewrite builds no mask (Gemma 2's sliding window and soft-capping). Batched
+    greedy rows equal their batch-1 runs."""
+    from specedge.exporter.tiny import make_tiny_model
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    hf = work / arch
+    if not (hf / "config.json").is_file():
+        make_tiny_model(arch, hf, seed=1)
+    report = _export(hf, work / f"{arch}-concat", draft_precision="int4", graph="concat")
+    target = report.manifest.target
+    assert target.graph == "concat" and target.validation["passed"]
+    assert target.validation["batch2_max_abs_diff"] <= 1e-5
+    ops = _op_types(report.folder / "target" / "model.onnx")
+    assert ("RotaryEmbedding" in ops) == (arch != "gemma2")
+    pair = Pair.load(report.folder)
+    prompts = ["The quick brown fox", "Edge", "a b c d e f"]
+    config = GenerationConfig(max_new_tokens=16, drafter="model", num_draft_tokens=3,
+                              adaptive=False)
+    batched = pair.generate_batch(prompts, config)
+    for prompt, row in zip(prompts, batched.results, strict=True):
+        alone = pair.generate(prompt, GenerationConfig(max_new_tokens=16, drafter="none"))
+        assert row.tokens == alone.tokens
 
 
 def test_gemma3_exports_in_the_fast_form(work: Path) -> None:
