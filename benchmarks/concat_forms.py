@@ -88,9 +88,10 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     forms = {"fused (builder + rewrite)": args.fused, "standard (torch export)": args.standard}
-    pairs = {name: Pair.load(path) for name, path in forms.items()}
+    # Sizes first: loading a pair gives this process ONNX Runtime's shared thread pool.
     sizes = {name: {m: graph_size(path / m / "model.onnx") for m in ("target", "draft")}
              for name, path in forms.items()}
+    pairs = {name: Pair.load(path) for name, path in forms.items()}
     prompts = list(default_prompts())[:args.prompts]
     results: dict[str, Any] = {"batches": {}, "sizes": sizes}
     for pair in pairs.values():  # warm both

@@ -7,8 +7,10 @@ branches on an architecture name; the manifest carries everything the runtime ne
 Graph forms:
 - "gqa-shared": ONNX Runtime GenAI's model builder, GroupQueryAttention with one KV buffer per
   layer bound as past and present (in-place cache, O(1) rollback).
-- "concat": torch.onnx export with standard ops (present = concat(past, new)), for families the
-  builder does not cover; the runtime copies the valid cache prefix each call.
+- "concat": present = concat(past, new), for batched verification; the runtime copies the valid
+  cache prefix each call. For the builder's families, the builder's graph with its attention
+  rewritten (`concat_form`); for families the builder does not cover (and `--graph
+  concat-standard`), a torch.onnx export with standard ops.
 """
 
 from __future__ import annotations

@@ -440,7 +440,8 @@ def main(verbose: int) -> None:
               help="Jinja chat template file for the pair (replaces the model's own).")
 @click.option("--graph", default="auto", show_default=True,
               type=click.Choice(("auto", *GRAPHS)),
-              help="Graph form; concat is needed for batched speculative decoding on CPU.")
+              help="Graph form; concat is needed for batched speculative decoding "
+                   "(concat-standard: standard ops only, for TensorRT).")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with torch.")
 @click.option("--calibrate", "calibrate_method", default=None, type=click.Choice(METHODS),
               help="Then quantize the (fp32) target with this method, as `specedge quantize`.")

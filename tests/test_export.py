@@ -172,6 +172,35 @@ def test_fp16_for_cuda_exports_and_validates_on_cpu(work: Path) -> None:
         assert v["note"] == f"validated on CPU, not cuda: {why}"
 
 
+def test_fp16_concat_for_cuda_decodes_batches_on_cpu(work: Path) -> None:
+    """The CUDA batched pair: fp16 target + int4 draft in the concat form (the builder's fp16
+    graph, its attention rewritten; the torch export wrote fp32 only). On the CPU it runs
+    through its CPU kernels and the device-KV path that CUDA uses (fp16 gather/scatter
+    graphs); batched greedy rows equal their batch-1 target-only runs."""
+    from dataclasses import replace
+
+    from specedge.exporter.tiny import make_tiny_model
+    from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
+
+    hf = work / "llama-fp16"
+    if not (hf / "config.json").is_file():
+        make_tiny_model("llama", hf, seed=4)
+    report = _export(hf, work / "fp16-concat", precision="fp16", provider="cuda",
+                     draft_precision="int4", graph="concat")
+    target = report.manifest.target
+    assert (target.graph, target.precision, target.kv.dtype) == ("concat", "fp16", "float16")
+    assert target.validation["passed"]
+    plan = plan_threads()
+    pair = Pair.load(report.folder, plan=ThreadPlan(replace(plan.target, device_kv=True),
+                                                    replace(plan.draft, device_kv=True)))
+    prompts = ["The quick brown fox", "Edge", "a b c d e f g"]
+    batched = pair.generate_batch(prompts, GenerationConfig(
+        max_new_tokens=12, drafter="model", num_draft_tokens=3, adaptive=False))
+    for prompt, row in zip(prompts, batched.results, strict=True):
+        alone = pair.generate(prompt, GenerationConfig(max_new_tokens=12, drafter="none"))
+        assert row.tokens == alone.tokens
+
+
 def test_graph_option_is_checked(tmp_path: Path, work: Path) -> None:
     from specedge.exporter.tiny import make_tiny_model
 
