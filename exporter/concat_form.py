@@ -26,8 +26,11 @@ tiled over the G query heads of each KV head: [B, 1, G*S, T]. The graph gets the
 inputs and outputs (`input_ids`, `attention_mask`, `position_ids`, `past_key_values.{i}.*`
 [B, Hkv, P, D] -> `present.{i}.*` [B, Hkv, P+S, D], `logits`).
 
-Refused with an ExportError (the caller falls back to the torch export): sliding windows
-(local_window_size > 0) and logit soft-capping, whose masks this rewrite does not build.
+Sliding windows (GroupQueryAttention's local_window_size) get a second bias: key t is also
+within the window of new token s when position_ids[b, s] - (its true position) < window, the
+true position counting the row's unmasked keys (CumSum of the mask), so holes do not shorten the
+window. Refused with RewriteUnsupported (the caller falls back to the torch export): logit
+soft-capping (Gemma 2).
 """
 
 from __future__ import annotations
@@ -57,19 +60,38 @@ def _dtype_of(model: Any, name: str) -> int:
     raise ExportError(f"the builder's graph has no type for {name!r}")
 
 
-def _shape_dim(model: Any, name: str, axis: int) -> int:
-    for init in model.graph.initializer:
-        if init.name == name:
-            return int(init.dims[axis])
-    raise ExportError(f"the builder's graph has no initializer {name!r}")
+def _rotary_dim(model: Any, cos_cache: str) -> int:
+    """The rotated width: twice the cos cache's. The builder's cache is an initializer, or (long
+    RoPE) the output of an If choosing between two caches of the same width."""
+    from onnx import helper
+
+    def widths_of(graph: Any, name: str) -> set[int]:  # an initializer or a Constant's value
+        found = {int(i.dims[1]) for i in graph.initializer if i.name == name and len(i.dims) == 2}
+        for n in graph.node:
+            if n.op_type == "Constant" and name in n.output:
+                found |= {int(a.t.dims[1]) for a in n.attribute
+                          if a.name == "value" and len(a.t.dims) == 2}
+        return found
+
+    widths = widths_of(model.graph, cos_cache)
+    for node in model.graph.node:  # long RoPE: If(long) then one cache else the other
+        if node.op_type == "If" and cos_cache in node.output:
+            at = list(node.output).index(cos_cache)
+            for branch in node.attribute:
+                sub = helper.get_attribute_value(branch)
+                widths |= widths_of(sub, sub.output[at].name)
+    if len(widths) != 1:
+        raise RewriteUnsupported(f"{cos_cache}: cannot tell the rotary width")
+    return 2 * widths.pop()
 
 
-def gqa_to_concat(model: Any) -> Any:
-    """Rewrite a model-builder graph (GroupQueryAttention, shared KV buffers) into the concat
-    form, in place; returns the model. A graph without GroupQueryAttention is returned as is.
+def gqa_to_concat(model: Any, head_dim: int) -> Any:
+    """Rewrite a model-builder graph (GroupQueryAttention, shared KV buffers) of head size
+    `head_dim` into the concat form, in place; returns the model. A graph without
+    GroupQueryAttention is returned as is.
 
     Raises:
-        RewriteUnsupported: a sliding window or soft-capping (see the module docstring).
+        RewriteUnsupported: soft-capping (see the module docstring).
         ExportError: the graph is not the builder's (its inputs are not where expected).
     """
     import numpy as np
@@ -81,8 +103,6 @@ def gqa_to_concat(model: Any) -> Any:
         return model
     for gqa in gqas:
         attrs = _attrs(gqa)
-        if int(attrs.get("local_window_size", -1)) > 0:
-            raise RewriteUnsupported(f"{gqa.name}: sliding-window attention")
         if float(attrs.get("softcap", 0.0)) != 0.0:
             raise RewriteUnsupported(f"{gqa.name}: attention logit soft-capping")
     dtype = _dtype_of(model, gqas[0].input[3])  # the past key's type: fp32 or fp16
@@ -130,15 +150,37 @@ def gqa_to_concat(model: Any) -> Any:
     bias = node("Where", [visible, const("bias_open", np.array(0, np_dtype)),
                           const("bias_shut", np.array(np.finfo(np_dtype).min, np_dtype))],
                 "mask/bias")
-    tiled: dict[int, str] = {}
+    biases: dict[int, str] = {0: bias}
+    tiled: dict[tuple[int, int], str] = {}
 
-    def bias_for(groups: int) -> str:  # [B, 1, G*S, T]: query row g*S + s is new token s
+    def windowed(window: int) -> str:  # [B, 1, S, T], keys within `window` positions too
+        if window not in biases:
+            # True positions, not indices: a row's past is padded with holes (masked keys).
+            k_pos = node("Sub", [node("CumSum", [node("Cast", [
+                "attention_mask"], "mask/mask64", to=TensorProto.INT64), one], "mask/count"),
+                one], "mask/k_pos")  # [B, T]
+            k_pos4 = node("Unsqueeze", [k_pos, const("axes12", np.array([1, 2], np.int64))],
+                          "mask/k_pos4")  # [B, 1, 1, T]
+            q_pos4 = node("Unsqueeze", [POSITION_IDS, const("axes13", np.array(
+                [1, 3], np.int64))], "mask/q_pos4")  # [B, 1, S, 1]
+            near = node("Less", [node("Sub", [q_pos4, k_pos4], f"mask/dist{window}"),
+                                 const(f"window{window}", np.array(window, np.int64))],
+                        f"mask/near{window}")  # HF: a key is seen while q - k < window
+            biases[window] = node("Where", [
+                node("And", [visible, near], f"mask/visible_w{window}"),
+                const("bias_open", np.array(0, np_dtype)),
+                const("bias_shut", np.array(np.finfo(np_dtype).min, np_dtype))],
+                f"mask/bias_w{window}")
+        return biases[window]
+
+    def bias_for(groups: int, window: int) -> str:  # [B, 1, G*S, T]: row g*S + s is token s
+        base = windowed(max(window, 0))
         if groups == 1:
-            return bias
-        if groups not in tiled:
-            tiled[groups] = node("Tile", [bias, const(f"tile{groups}", np.array(
-                [1, 1, groups, 1], np.int64))], f"mask/bias_g{groups}")
-        return tiled[groups]
+            return base
+        if (groups, window) not in tiled:
+            tiled[groups, window] = node("Tile", [base, const(f"tile{groups}", np.array(
+                [1, 1, groups, 1], np.int64))], f"mask/bias_g{groups}_w{max(window, 0)}")
+        return tiled[groups, window]
 
     replaced: dict[str, list[Any]] = {}
     for gqa in gqas:
@@ -147,7 +189,6 @@ def gqa_to_concat(model: Any) -> Any:
         groups = heads // kv_heads
         ins = list(gqa.input) + [""] * (9 - len(gqa.input))
         past_k, past_v = ins[3], ins[4]
-        head_dim = _past_head_dim(model, past_k, ins)
         scale = float(attrs.get("scale", 0.0)) or 1.0 / float(np.sqrt(head_dim))
         base = gqa.name.strip("/").replace("/", "_")
         start = len(new_nodes)
@@ -161,7 +202,7 @@ def gqa_to_concat(model: Any) -> Any:
                     [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))],
                 [q, k, v], name=split, axis=-1))
         if int(attrs.get("do_rotary", 0)):
-            rot_dim = 2 * _shape_dim(model, ins[7], 1)
+            rot_dim = _rotary_dim(model, ins[7])
             extra = {} if rot_dim == head_dim else {"rotary_embedding_dim": rot_dim}
             interleaved = int(attrs.get("rotary_interleaved", 0))
             q = node("RotaryEmbedding", [q, POSITION_IDS, ins[7], ins[8]], f"{base}/rotary_q",
@@ -189,8 +230,14 @@ def gqa_to_concat(model: Any) -> Any:
         q4 = node("Mul", [q4, const(f"scale_{scale!r}", np.array(scale, np_dtype))],
                   f"{base}/q_scaled")
         keys_t = node("Transpose", [gqa.output[1]], f"{base}/k_t", perm=[0, 1, 3, 2])
+        window = int(attrs.get("local_window_size", -1))
+        mask_start = len(new_nodes)
+        layer_bias = bias_for(groups, window)
+        shared = new_nodes[mask_start:]  # built on first use: the call's mask nodes
+        del new_nodes[mask_start:]
+        new_nodes[start:start] = shared
         scores = node("Add", [node("MatMul", [q4, keys_t], f"{base}/scores"),
-                              bias_for(groups)], f"{base}/masked")  # [B, Hkv, G*S, T]
+                              layer_bias], f"{base}/masked")  # [B, Hkv, G*S, T]
         probs = node("Softmax", [scores], f"{base}/probs", axis=-1)
         ctx = node("MatMul", [probs, gqa.output[2]], f"{base}/context")  # [B, Hkv, G*S, D]
         ctx5 = node("Reshape", [ctx, const(f"ctx_shape_{groups}_{head_dim}", np.array(
@@ -218,23 +265,6 @@ def gqa_to_concat(model: Any) -> Any:
     _present_dims(model)
     _prune(model)
     return model
-
-
-def _past_head_dim(model: Any, past_key: str, ins: list[str]) -> int:
-    """D from the past input's declared shape, else from the rotary cache (2 x its width)."""
-    for vi in model.graph.input:
-        if vi.name == past_key:
-            dim = vi.type.tensor_type.shape.dim[3]
-            if dim.HasField("dim_value"):
-                return int(dim.dim_value)
-    for vi in model.graph.output:
-        if vi.name.startswith("present"):
-            dim = vi.type.tensor_type.shape.dim[3]
-            if dim.HasField("dim_value"):
-                return int(dim.dim_value)
-    if ins[7]:
-        return 2 * _shape_dim(model, ins[7], 1)
-    raise ExportError(f"{past_key}: cannot tell the head size of the builder's graph")
 
 
 def _present_dims(model: Any) -> None:

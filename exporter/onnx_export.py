@@ -120,7 +120,7 @@ def concat_from_gqa(info: GraphInfo) -> GraphInfo:
     weights file is untouched); a graph already in the concat form is returned as it is.
 
     Raises:
-        concat_form.RewriteUnsupported: sliding windows or soft-capping (use the torch export).
+        concat_form.RewriteUnsupported: soft-capping (use the torch export).
     """
     import onnx
 
@@ -129,7 +129,7 @@ def concat_from_gqa(info: GraphInfo) -> GraphInfo:
     if info.graph == "concat":
         return info
     model = onnx.load(str(info.onnx_path), load_external_data=False)
-    gqa_to_concat(model)
+    gqa_to_concat(model, info.head_dim)
     onnx.save(model, str(info.onnx_path))
     return dataclasses.replace(info, graph="concat", position_ids=POSITION_IDS, min_cache_len=1)
 

@@ -315,19 +315,36 @@ def test_llama_concat_ragged_batch_matches_batch1(llama_concat_pair: Path, model
         np.testing.assert_allclose(got[1, :, 5:], want[0, :, 3:], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma", "gemma2"])
-def test_families_export_in_the_fused_concat_form(work: Path, arch: str) -> None:
+LONG_ROPE = {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
+                              "long_factor": [2.0] * 8},
+             "original_max_position_embeddings": 128, "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("arch,sizes", [
+    ("qwen3", {}), ("phi3", {}), ("gemma", {}), ("gemma2", {}),
+    ("gemma3_text", {"sliding_window": 8}),  # windowed and global layers, rows past the window
+    ("phi3", {"partial_rotary_factor": 0.5}),  # rotates 8 of 16 dims
+    # The builder's If between two rotary caches (short ones here: a call that crosses the
+    # switch rotates by its own total length, as HF's long RoPE does, so a batched row, whose
+    # padded length is the batch's, may cross it earlier than alone).
+    ("phi3", LONG_ROPE),
+], ids=["qwen3", "phi3", "gemma", "gemma2", "gemma3-window", "phi3-partial-rotary",
+        "phi3-longrope"])
+def test_families_export_in_the_fused_concat_form(work: Path, arch: str,
+                                                   sizes: dict[str, object]) -> None:
     """`--graph concat` rewrites the builder's attention for every builder family (separate
-    q/k/v inputs with Qwen3's q/k norms, Gemma's scale), and falls back to the torch export
-    where the rewrite builds no mask (Gemma 2's sliding window and soft-capping). Batched
-    greedy rows equal their batch-1 runs."""
+    q/k/v inputs with Qwen3's q/k norms, Gemma's scale, Gemma 3's sliding windows, partial and
+    long RoPE), and falls back to the torch export for soft-capping (Gemma 2). Batched greedy
+    rows equal their batch-1 runs (rows padded with holes: the window counts true
+    positions)."""
     from specedge.exporter.tiny import make_tiny_model
     from specedge.runtime.pair import GenerationConfig, Pair
 
-    hf = work / arch
+    name = f"{arch}-{len(sizes)}-{sorted(sizes)[:1]}"
+    hf = work / name
     if not (hf / "config.json").is_file():
-        make_tiny_model(arch, hf, seed=1)
-    report = _export(hf, work / f"{arch}-concat", draft_precision="int4", graph="concat")
+        make_tiny_model(arch, hf, seed=1, sizes=sizes)  # type: ignore[arg-type]
+    report = _export(hf, work / f"{name}-concat", draft_precision="int4", graph="concat")
     target = report.manifest.target
     assert target.graph == "concat" and target.validation["passed"]
     assert target.validation["batch2_max_abs_diff"] <= 1e-5
@@ -335,11 +352,11 @@ def test_families_export_in_the_fused_concat_form(work: Path, arch: str) -> None
     assert ("RotaryEmbedding" in ops) == (arch != "gemma2")
     pair = Pair.load(report.folder)
     prompts = ["The quick brown fox", "Edge", "a b c d e f"]
-    config = GenerationConfig(max_new_tokens=16, drafter="model", num_draft_tokens=3,
+    config = GenerationConfig(max_new_tokens=40, drafter="model", num_draft_tokens=3,
                               adaptive=False)
     batched = pair.generate_batch(prompts, config)
     for prompt, row in zip(prompts, batched.results, strict=True):
-        alone = pair.generate(prompt, GenerationConfig(max_new_tokens=16, drafter="none"))
+        alone = pair.generate(prompt, GenerationConfig(max_new_tokens=40, drafter="none"))
         assert row.tokens == alone.tokens
 
 
