@@ -285,7 +285,9 @@ class BatchDecoder:
             # Cost per drafted position of the round: the model's calls (the first includes the
             # catch-up, which at batch 8 costs much more than a 1-token step), or nothing for
             # n-gram drafts, which are free.
-            self.tuner.update_batch(k_round, tuned, draft_s, k_round, verify_s)
+            lag = max((len(r.tokens) - len(r.draft_fed) for r in live), default=0) \
+                if self.d_cache is not None else 0
+            self.tuner.update_batch(k_round, tuned, draft_s, k_round, verify_s, lag)
         elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
             self.tuner.record_verify(k_round + 1, verify_s)
         return finished

@@ -56,6 +56,10 @@ class Drafter(Protocol):
 
     def prefill(self, tokens: list[int]) -> None: ...
 
+    def catch_up(self, tokens: list[int]) -> int:
+        """Tokens the drafter would feed before its first draft step (0 for free drafts)."""
+        ...
+
 
 class ModelDrafter:
     """Drafts with a small model and its own KV cache.
@@ -117,6 +121,9 @@ class ModelDrafter:
             self.model.forward(self.cache, np.asarray([tokens[:-1]], np.int64))
             self.fed = list(tokens[:-1])
 
+    def catch_up(self, tokens: list[int]) -> int:
+        return len(tokens) - len(self.fed)
+
     def commit(self, tokens: list[int]) -> None:
         n = fed_prefix(self.fed, tokens, self.stable)
         del self.fed[n:]
@@ -164,6 +171,9 @@ class NgramDrafter:
     def prefill(self, tokens: list[int]) -> None:
         return None
 
+    def catch_up(self, tokens: list[int]) -> int:
+        return 0
+
 
 MIN_NGRAM_HIT = 3  # hybrid drafting takes an n-gram proposal of at least this many tokens
 
@@ -193,6 +203,9 @@ class HybridDrafter:
     def prefill(self, tokens: list[int]) -> None:
         self.model.prefill(tokens)
 
+    def catch_up(self, tokens: list[int]) -> int:
+        return self.model.catch_up(tokens)
+
 
 class AdaptiveK:
     """Pick the draft length that maximizes predicted tokens per second, from measurements.
@@ -211,9 +224,16 @@ class AdaptiveK:
     - verify(s) is a per-s moving average where s was measured at least `MIN_COST_SAMPLES`
       times, otherwise the weighted least-squares line through the measured sizes (one stale
       outlier cannot hide a cheap size).
+    - verify(1), plain decoding, is measured first: the round after the first drafting round
+      runs at k = 0 (one target-only round, never slower than plain decoding). Drafting is
+      chosen only when predicted `MIN_GAIN` (3%) faster than k = 0.
     - Every `probe_every` rounds a neighbouring k is tried so that the costs and acceptances it
       relies on stay measured; a probe that does not change the choice doubles the interval (up
-      to `max_probe_every`), because a probe is not free.
+      to `max_probe_every`), because a probe is not free. A probe up from k = 0 is skipped when
+      the draft model would first have to catch up on more than `MAX_PROBE_CATCH_UP` tokens
+      (it is not fed while k = 0): at batch 8 on a CPU one such probe late in a 64-token
+      generation cost 0.37 s of catch-up, 13 target-only rounds. Each new generation (whose
+      draft starts from its prefill) probes once at its first round instead.
 
     A tuner outlives one generation: `Pair` keeps one per (batch size, drafter, k max), so every
     generation after the first starts from what this device measured; `new_text` discounts the
@@ -222,6 +242,8 @@ class AdaptiveK:
     """
 
     MIN_COST_SAMPLES = 3.0
+    MAX_PROBE_CATCH_UP = 8
+    MIN_GAIN = 0.03  # drafting is chosen over plain decoding only when predicted this much faster
 
     def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
                  accept_decay: float = 0.98, shrink: float = 4.0, prior: float = 0.7,
@@ -246,6 +268,7 @@ class AdaptiveK:
         self.probing = False  # the current k is a probe
         self._best_at_probe: int | None = None
         self._probes = 0
+        self.catch_up = 0  # the most tokens a row's draft would feed before drafting
 
     def new_text(self, carry: float = 0.3) -> None:
         """A new generation starts: keep the measured costs (a property of the device), but
@@ -254,6 +277,9 @@ class AdaptiveK:
         self.hits = [h * carry for h in self.hits]
         self.reached = [n * carry for n in self.reached]
         self._estimate_acceptance()
+        self.catch_up = 0  # the draft starts from the new prompt's prefill
+        if self.k == 0:
+            self.next_probe = min(self.next_probe, self.rounds)  # probe while catching up is cheap
         if self.draft_step is not None:
             self.k = self.choose()
 
@@ -261,9 +287,11 @@ class AdaptiveK:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
     def update(self, k: int, accepted: int, draft_step_s: float, draft_step_calls: int,
-               verify_s: float) -> None:
-        """Record one round: k proposed, `accepted` of them accepted, and its costs."""
-        self.update_batch(k, [(k, accepted)], draft_step_s, draft_step_calls, verify_s)
+               verify_s: float, catch_up: int = 0) -> None:
+        """Record one round: k proposed, `accepted` of them accepted, and its costs;
+        `catch_up`: tokens the draft would feed before drafting in the next round."""
+        self.update_batch(k, [(k, accepted)], draft_step_s, draft_step_calls, verify_s,
+                          catch_up)
 
     def record_verify(self, size: int, verify_s: float) -> None:
         """Record only the cost of verifying `size` positions (a round whose k this tuner did
@@ -273,12 +301,14 @@ class AdaptiveK:
         self._line = None  # refitted on demand
 
     def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
-                     draft_step_calls: int, verify_s: float) -> None:
+                     draft_step_calls: int, verify_s: float, catch_up: int = 0) -> None:
         """Record one batched round: (proposed, accepted) per row, and the round's costs.
 
         The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
+        `catch_up`: the most tokens a row's draft would feed before drafting next round.
         """
         self.rounds += 1
+        self.catch_up = catch_up
         for proposed, accepted in outcomes:
             for i in range(1, min(proposed, accepted + 1) + 1):
                 self.reached[i] = self.accept_decay * self.reached[i] + 1.0
@@ -333,9 +363,17 @@ class AdaptiveK:
     def choose(self) -> int:
         if self.draft_step is None and self.k > 0:
             return self.k  # no draft cost measured yet (e.g. no n-gram hit so far): keep trying
+        if 1 not in self.verify:
+            # Plain decoding's cost, verify(1), is measured by a round at k = 0 before any
+            # choice: extrapolated from the drafting rounds' sizes it came out too dear, and a
+            # cold tuner kept drafting for ~30 rounds where drafting does not pay (batch 8 on
+            # a CPU: 0.88x of target-only over a 64-token batch).
+            return 0
         rates = {k: self.expected_rate(k) for k in range(0, self.k_max + 1)}
         measured = {k: r for k, r in rates.items() if r is not None}
         best = max(measured, key=lambda k: measured[k]) if measured else self.k
+        if best and 0 in measured and measured[best] < measured[0] * (1 + self.MIN_GAIN):
+            best = 0  # near break-even the estimates' noise flipped k to drafts that lost
         if self._best_at_probe is not None:  # the round after a probe: did it change anything?
             changed = best != self._best_at_probe
             self.interval = self.probe_every if changed else min(2 * self.interval,
@@ -348,6 +386,8 @@ class AdaptiveK:
             self._probes += 1
             step = 1 if self._probes % 2 or best == 0 else -1
             probe = max(0, min(self.k_max, best + step))
+            if best == 0 and self.catch_up > self.MAX_PROBE_CATCH_UP:
+                probe = best  # the catch-up would cost more than the probe can tell
             if probe != best:
                 self._best_at_probe, self.probing = best, True
                 return probe

@@ -92,7 +92,8 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
             if adaptive is not None and tuned_round(plan, proposal):
                 adaptive.update(len(drafts), accepted,
                                 proposal.step_seconds if proposal else 0.0,
-                                proposal.step_calls if proposal else 0, verify_s)
+                                proposal.step_calls if proposal else 0, verify_s,
+                                drafter.catch_up(tokens) if drafter else 0)
             elif adaptive is not None:
                 adaptive.record_verify(len(drafts) + 1, verify_s)
             kept = output.push(emitted)

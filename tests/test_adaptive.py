@@ -116,3 +116,43 @@ def test_hybrid_free_hits_stop_when_the_tuner_turns_drafting_off() -> None:
     assert draft_budget(adaptive, 0, out, 10, 1000) == (0, 0)  # drafting measured not to pay
     fixed = DecodePlan("hybrid", 5, False, 1000, 1)
     assert draft_budget(fixed, 5, out, 10, 1000) == (5, 5)
+
+
+def test_a_cold_tuner_measures_plain_decoding_before_choosing() -> None:
+    """Regression (batch 8 on the CPU, `docs/results/concat_forms.md`): a cold tuner
+    extrapolated verify(1) from its drafting rounds as verify(3), so k = 0 looked 35% dearer
+    than it is and it kept drafting at a loss for ~30 rounds. Now its second round is k = 0."""
+    tuner = AdaptiveK(4)  # starts at k = 2
+    d, v = 0.58, {1: 1.0, 2: 1.26, 3: 1.35, 4: 1.5, 5: 1.6}  # per draft step; verify(s)
+    tuner.update(2, 1, 2 * d, 2, v[3])
+    assert tuner.k == 0  # measure plain decoding first (it chose k = 2 before)
+    drafting = 0
+    for r in range(40):
+        k = tuner.k
+        drafting += k > 0 and not tuner.probing
+        tuner.update(k, min(k, int(r % 5 < 3)), k * d, k, v[k + 1])  # 60% accepted
+    # A few rounds until the first round's lucky acceptance (1 of 1 reached) washes out, then
+    # only probes.
+    assert drafting <= 3 and tuner.expected_rate(0) > tuner.expected_rate(1)
+
+
+def test_a_probe_from_plain_decoding_waits_for_a_cheap_catch_up() -> None:
+    """At k = 0 the draft model is not fed; a probe up must first catch it up on every token
+    since (0.37 s at batch 8 late in a 64-token generation). Such a probe is skipped, and a new
+    generation, whose draft starts from its prefill, probes at once."""
+    tuner = AdaptiveK(4, probe_every=4, max_probe_every=4)
+    tuner.update(2, 0, 2 * 0.9, 2, 1.3)  # drafting does not pay: k -> 0
+    lag = AdaptiveK.MAX_PROBE_CATCH_UP
+    for _ in range(20):
+        lag += 1
+        tuner.update(tuner.k, 0, 0.0, 0, 1.0, catch_up=lag)
+        assert tuner.k == 0, "probed although the draft lags behind"
+    tuner.new_text()
+    assert tuner.k == 1 and tuner.probing  # the new text's first round probes
+    near = AdaptiveK(4, probe_every=4, max_probe_every=4)
+    near.update(2, 0, 2 * 0.9, 2, 1.3)
+    ks = []
+    for _ in range(12):
+        near.update(near.k, 0, near.k * 0.9, near.k, 1.0 + 0.1 * near.k, catch_up=2)
+        ks.append(near.k)
+    assert 1 in ks  # with a cheap catch-up the probes still run
