@@ -232,8 +232,10 @@ class AdaptiveK:
       to `max_probe_every`), because a probe is not free. A probe up from k = 0 is skipped when
       the draft model would first have to catch up on more than `MAX_PROBE_CATCH_UP` tokens
       (it is not fed while k = 0): at batch 8 on a CPU one such probe late in a 64-token
-      generation cost 0.37 s of catch-up, 13 target-only rounds. Each new generation (whose
-      draft starts from its prefill) probes once at its first round instead.
+      generation cost 0.37 s of catch-up, 13 target-only rounds. A probe due during a new
+      generation (whose draft starts from its prefill) runs at its first round instead, so
+      probes keep their doubling interval. For the same reason a choice to leave k = 0 while
+      the draft lags must save its catch-up within the next probe interval.
 
     A tuner outlives one generation: `Pair` keeps one per (batch size, drafter, k max), so every
     generation after the first starts from what this device measured; `new_text` discounts the
@@ -269,6 +271,8 @@ class AdaptiveK:
         self._best_at_probe: int | None = None
         self._probes = 0
         self.catch_up = 0  # the most tokens a row's draft would feed before drafting
+        self.text_rounds: float | None = None  # rounds per text (moving average)
+        self._text_start = 0
 
     def new_text(self, carry: float = 0.3) -> None:
         """A new generation starts: keep the measured costs (a property of the device), but
@@ -278,8 +282,15 @@ class AdaptiveK:
         self.reached = [n * carry for n in self.reached]
         self._estimate_acceptance()
         self.catch_up = 0  # the draft starts from the new prompt's prefill
-        if self.k == 0:
-            self.next_probe = min(self.next_probe, self.rounds)  # probe while catching up is cheap
+        if self.rounds > self._text_start:
+            n = float(self.rounds - self._text_start)
+            self.text_rounds = n if self.text_rounds is None else 0.7 * self.text_rounds + 0.3 * n
+        self._text_start = self.rounds
+        if self.k == 0 and (self.text_rounds is None
+                            or self.next_probe <= self.rounds + self.text_rounds):
+            # A probe due during this text runs now, while catching up is cheap (later it
+            # would be skipped); one due later waits for a later text.
+            self.next_probe = min(self.next_probe, self.rounds)
         if self.draft_step is not None:
             self.k = self.choose()
 
@@ -374,6 +385,12 @@ class AdaptiveK:
         best = max(measured, key=lambda k: measured[k]) if measured else self.k
         if best and 0 in measured and measured[best] < measured[0] * (1 + self.MIN_GAIN):
             best = 0  # near break-even the estimates' noise flipped k to drafts that lost
+        if best and 0 in measured and self.catch_up > self.MAX_PROBE_CATCH_UP:
+            # Leaving k = 0 first feeds the draft every token since; it must pay within the
+            # next probe interval (batch 8 on a CPU: one such switch cost 0.8 s, 23 rounds).
+            saving = self.interval * (1 / measured[0] - 1 / measured[best])
+            if saving < self.catch_up * (self.draft_step or 0.0):
+                best = 0
         if self._best_at_probe is not None:  # the round after a probe: did it change anything?
             changed = best != self._best_at_probe
             self.interval = self.probe_every if changed else min(2 * self.interval,

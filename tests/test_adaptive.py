@@ -156,3 +156,47 @@ def test_a_probe_from_plain_decoding_waits_for_a_cheap_catch_up() -> None:
         near.update(near.k, 0, near.k * 0.9, near.k, 1.0 + 0.1 * near.k, catch_up=2)
         ks.append(near.k)
     assert 1 in ks  # with a cheap catch-up the probes still run
+
+
+def _lagging_tuner(draft_step: float, lag_per_round: int = 1) -> tuple[AdaptiveK, list[int]]:
+    """A tuner that turned drafting off in its first round, then sees plain decoding grow
+    dearer (a longer past) while the draft, not fed at k = 0, falls behind; its choices."""
+    tuner = AdaptiveK(4)
+    for accepted in (1, 0, 1, 0):  # half the first drafts accepted
+        tuner.update(2, accepted, 2 * draft_step, 2, 1.3)
+    ks, lag = [], 8
+    for r in range(60):
+        lag += lag_per_round
+        tuner.update(tuner.k, 0, 0.0, 0, 1.0 if r < 30 else 1.6, catch_up=lag)
+        ks.append(0 if tuner.probing else tuner.k)
+        if tuner.k:
+            break
+    return tuner, ks
+
+
+def test_leaving_plain_decoding_must_pay_for_the_draft_catch_up() -> None:
+    """Regression (batch 8 on the CPU): k = 0 for 50 rounds, then noisy verify(1) readings
+    made k = 1 look 20% faster, and the switch first fed the draft 52 tokens per row: 0.8 s,
+    the time of 23 rounds. A switch must save its catch-up within the next probe interval."""
+    _, ks = _lagging_tuner(draft_step=0.3)
+    assert ks == [0] * 60
+    # A draft this cheap pays for its catch-up at once: drafting resumes.
+    _, ks = _lagging_tuner(draft_step=0.001)
+    assert ks[-1] > 0
+
+
+def test_a_new_text_pulls_forward_only_the_probes_due_during_it() -> None:
+    """Each new text probes at its first round only when a probe falls due during it, so the
+    doubling interval still spaces probes out when drafting keeps losing (at batch 8 on a CPU
+    a probe round costs about three plain rounds)."""
+    tuner = AdaptiveK(4, probe_every=8, max_probe_every=256)
+    tuner.update(2, 0, 2 * 0.9, 2, 1.3)  # drafting does not pay: k -> 0
+    probes = []
+    for text in range(12):
+        if text:
+            tuner.new_text()
+        for _ in range(20):  # a 20-round text
+            probes.append(tuner.probing)
+            tuner.update(tuner.k, 0, tuner.k * 0.9, tuner.k, 1.0 + 0.3 * tuner.k, catch_up=2)
+    starts = [probes[20 * t] for t in range(12)]
+    assert starts[:3] == [False, True, True] and sum(starts) <= 7, starts

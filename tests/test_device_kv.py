@@ -34,7 +34,7 @@ def on_host(concat_dir: Path) -> Pair:
 
 def test_the_switch(on_device: Pair, on_host: Pair) -> None:
     cache = on_device.target.new_cache(2, 16)
-    assert isinstance(cache.device_kv, DeviceKV) and not cache.host
+    assert isinstance(cache.device_kv, DeviceKV) and cache.host is None
     assert on_host.target.new_cache(2, 16).device_kv is None
     assert not on_host.target.config.kv_on_device  # the CPU default
 
