@@ -40,8 +40,11 @@ class BatchBenchOptions:
     masking: bool = True  # also run the smallest K with finished rows masked, not compacted
     max_new_tokens: int = 64
     chat: bool = True
+    drafter: str = "model"  # "model", "ngram" (free prompt-lookup drafts) or "hybrid"
 
     def __post_init__(self) -> None:
+        if self.drafter not in ("model", "ngram", "hybrid"):
+            raise InputError(f"unknown drafter {self.drafter!r}; use model, ngram or hybrid")
         if not self.batches or any(b < 1 for b in self.batches):
             raise InputError(f"--batch takes positive integers, got {self.batches}")
         if len(self.prompts) < max(self.batches):
@@ -78,7 +81,7 @@ class BatchRow:
 
 def _settings(pair: Pair, opts: BatchBenchOptions) -> list[BatchSetting]:
     out = [BatchSetting("target only", 0)]
-    if pair.draft is None:
+    if pair.draft is None and opts.drafter != "ngram":
         return out
     out += [BatchSetting(f"K={k}", k) for k in opts.ks]
     if opts.adaptive:
@@ -89,8 +92,9 @@ def _settings(pair: Pair, opts: BatchBenchOptions) -> list[BatchSetting]:
 
 
 def measure_batch_costs(pair: Pair, batch: int, ks: tuple[int, ...], past_len: int = 128,
-                        reps: int = 7) -> dict[str, float]:
-    """Median seconds of verify(B, s) for s in 1 and K+1, and of one draft step at batch B."""
+                        reps: int = 7, draft: bool = True) -> dict[str, float]:
+    """Median seconds of verify(B, s) for s in 1 and K+1, and of one draft step at batch B
+    (with `draft` and a draft model; n-gram drafts cost no model call)."""
     rng = np.random.default_rng(0)
     vocab = pair.manifest.vocab_size
     rows = np.arange(batch)
@@ -109,7 +113,7 @@ def measure_batch_costs(pair: Pair, batch: int, ks: tuple[int, ...], past_len: i
         return float(statistics.median(times))
 
     costs = {f"verify_{s}": timed(pair.target, s) for s in sorted({1, *(k + 1 for k in ks)})}
-    if pair.draft is not None:
+    if draft and pair.draft is not None:
         costs["draft_step"] = timed(pair.draft, 1)
     return costs
 
@@ -122,8 +126,9 @@ def run_batch_bench(pair: Pair, opts: BatchBenchOptions,
                          "--graph concat (ONNX Runtime's GroupQueryAttention, CPU and CUDA, takes "
                          "one row when several tokens follow a past)")
     report = []
-    warm = GenerationConfig(max_new_tokens=4, drafter="model" if pair.draft else "none",
-                            num_draft_tokens=2, chat=opts.chat)
+    drafter = opts.drafter if pair.draft is not None or opts.drafter == "ngram" else "none"
+    warm = GenerationConfig(max_new_tokens=4, drafter=drafter, num_draft_tokens=2,
+                            chat=opts.chat)
     pair.generate_batch(list(opts.prompts[:2]), warm)
     for batch in opts.batches:
         row = BatchRow(batch, _settings(pair, opts))
@@ -133,7 +138,7 @@ def run_batch_bench(pair: Pair, opts: BatchBenchOptions,
             for s in row.settings:
                 cfg = GenerationConfig(
                     max_new_tokens=opts.max_new_tokens, chat=opts.chat,
-                    drafter="model" if s.k else "none", num_draft_tokens=s.k or None,
+                    drafter=drafter if s.k else "none", num_draft_tokens=s.k or None,
                     adaptive=s.adaptive)
                 result = pair.generate_batch(prompts, cfg, compact=s.compact)
                 st = result.stats
@@ -145,7 +150,8 @@ def run_batch_bench(pair: Pair, opts: BatchBenchOptions,
                 s.k_sum += sum(st.draft_lengths)
                 if progress:
                     progress(f"batch {batch}, {s.name}")
-        row.costs = measure_batch_costs(pair, batch, opts.ks)
+        row.costs = measure_batch_costs(pair, batch, opts.ks,
+                                        draft=opts.drafter != "ngram")
         report.append(row)
     return report
 
@@ -167,7 +173,8 @@ def rows_as_dicts(report: list[BatchRow]) -> list[dict[str, Any]]:
                 "mean_k": s.k_sum / s.rounds if s.rounds else 0.0, "tokens": s.tokens}
             if s.k and not s.adaptive and verify1:
                 entry["verify_ratio"] = row.costs.get(f"verify_{s.k + 1}", 0.0) / verify1
-                entry["draft_ratio"] = row.costs.get("draft_step", 0.0) / verify1
+                if "draft_step" in row.costs:
+                    entry["draft_ratio"] = row.costs["draft_step"] / verify1
             out.append(entry)
     return out
 

@@ -924,8 +924,11 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
         if out is not None:  # a full or read-only disk fails now, not after the measurements
             _check_output_file(out, pair)
     if batches is not None:
+        if temperature:
+            raise InputError("bench --batch measures greedy decoding (its rows are checked "
+                             "token for token); drop --temperature")
         _bench_batches(pair, prompts_file, batches, ks, max_new_tokens, not no_adaptive,
-                       not plain, load, json_out)
+                       not plain, load, json_out, drafter)
         return
     from specedge.runtime.prompts import read_categories
 
@@ -976,7 +979,7 @@ def _check_output_file(path: Path, pair: Path) -> None:
 
 def _bench_batches(pair: Path, prompts_file: Path | None, batches: tuple[int, ...],
                    ks: tuple[int, ...], max_new_tokens: int, adaptive: bool, chat: bool,
-                   load: LoadOptions, json_out: Path | None) -> None:
+                   load: LoadOptions, json_out: Path | None, drafter: str) -> None:
     from rich.console import Console
     from rich.progress import Progress
 
@@ -985,7 +988,7 @@ def _bench_batches(pair: Path, prompts_file: Path | None, batches: tuple[int, ..
 
     prompts = _read_prompts(prompts_file, default_prompts())
     options = bb.BatchBenchOptions(prompts=prompts, batches=batches, ks=ks, adaptive=adaptive,
-                                   max_new_tokens=max_new_tokens, chat=chat)
+                                   max_new_tokens=max_new_tokens, chat=chat, drafter=drafter)
     loaded = load.load(pair)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("bench --batch", total=None)
@@ -994,10 +997,10 @@ def _bench_batches(pair: Path, prompts_file: Path | None, batches: tuple[int, ..
     rows = bb.rows_as_dicts(report)
     sizes = ",".join(map(str, batches))
     print_table(_new_table(f"specedge bench --batch {sizes} {pair} ({len(prompts)} prompts x "
-                           f"{max_new_tokens} tokens, greedy)", bb.HEADERS,
+                           f"{max_new_tokens} tokens, greedy, {drafter} drafts)", bb.HEADERS,
                            bb.format_rows(rows)))
     if json_out:
-        write_atomic(json_out, json_dumps({"rows": rows, "costs": {
+        write_atomic(json_out, json_dumps({"drafter": drafter, "rows": rows, "costs": {
             str(r.batch): r.costs for r in report}}, indent=2) + "\n")
         click.echo(f"wrote {json_out}")
 

@@ -83,3 +83,28 @@ def test_bench_batch_reports_every_batch_and_setting(runner: CliRunner, concat_d
                                                  "draft_step"}
     assert_clean_error(invoke(runner, "bench", concat_dir, "--batch", "8", "--prompts",
                               prompts), "needs at least")
+
+
+def test_bench_batch_takes_the_drafter(runner: CliRunner, concat_dir: Path,
+                                       tmp_path: Path) -> None:
+    """Regression: `bench --batch` ignored `--drafter` and always drafted with the model. With
+    n-gram drafts the draft model is never called (no draft-step cost) and repeated prompts
+    get free drafts; the rows are still exact."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join("one two three four one two three four one two three " * 2
+                                 for _ in range(2)))
+    out = tmp_path / "bench.json"
+    result = invoke(runner, "bench", concat_dir, "--batch", "1,2", "--ks", "2",
+                    "--drafter", "ngram", "--no-adaptive", "--prompts", prompts,
+                    "--max-new-tokens", "8", "--plain", "--json", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["drafter"] == "ngram"
+    for b in ("1", "2"):
+        assert "draft_step" not in report["costs"][b]
+    rows = {(r["batch"], r["setting"]): r for r in report["rows"]}
+    for b in (1, 2):
+        assert rows[(b, "K=2")]["tokens"] == rows[(b, "target only")]["tokens"]
+        assert "draft_ratio" not in rows[(b, "K=2")]
+    assert_clean_error(invoke(runner, "bench", concat_dir, "--batch", "1", "--temperature",
+                              "0.7", "--prompts", prompts), "greedy")
