@@ -4,8 +4,10 @@ Every row has its own committed tokens, KV lengths, sampling parameters, RNG, to
 stop condition. A round:
 1. drafts up to k tokens for every live row: n-gram hits first ("ngram" / "hybrid"), then the
    draft model for the other rows: its first call feeds each row's catch-up tokens (what the
-   draft has not seen yet), the next ones one token per row; rows whose budget allows fewer
-   drafts drop out of the later draft calls;
+   draft has not seen yet; a catch-up longer than a few tokens runs in a call of its own), the
+   next ones one token per row; rows whose budget allows fewer drafts drop out of the later
+   draft calls. With adaptive K at k = 0 when a row joins, its draft prefill waits until
+   drafting resumes (it often never does at large batches);
 2. verifies every live row's block `[last committed token, drafts...]` in one target call;
 3. accepts a different number of tokens per row with the row's own `rounds.RowSampler` and
    cuts its output with its own `rounds.RowOutput` (the same pieces batch-1 decoding uses), so
@@ -165,9 +167,12 @@ class BatchDecoder:
         row.stats.new_tokens = len(row.generated)
         if self.draft is not None and self.d_cache is not None:
             self.d_cache.lengths[slot] = 0
-            _prefill(self.draft, self.d_cache, slot, row.tokens[:-1])
-            row.draft_fed = list(row.tokens[:-1])
-            row.draft_stable = len(row.draft_fed)
+            if self.tuner is None or self.tuner.k > 0:
+                _prefill(self.draft, self.d_cache, slot, row.tokens[:-1])
+                row.draft_fed = list(row.tokens[:-1])
+                row.draft_stable = len(row.draft_fed)
+            # else: adaptive K decodes without drafts for now; the draft's first call, if
+            # drafting resumes, feeds the row's prompt (its catch-up, which the tuner weighs)
         row.stats.prefill_s = time.perf_counter() - t0
         row.started = time.perf_counter()
         self.totals.prefill_s += row.stats.prefill_s
@@ -182,11 +187,33 @@ class BatchDecoder:
         if self.slots[row.index] is row:
             self.slots[row.index] = None
 
+    def _catch_up(self, rows: list[BatchRow]) -> float:
+        """Feed the draft, in one call, what rows whose draft lags by more than a few tokens
+        have not fed it (a prefill deferred while adaptive K drafted nothing, or the tokens of
+        k = 0 rounds), so the drafting calls after it feed one token per row; its seconds.
+
+        Kept apart from the drafting calls' time: the tuner weighs a catch-up on its own
+        (`AdaptiveK.MAX_PROBE_CATCH_UP`), and a prompt-long one counted as a draft step would
+        make every later step look dear."""
+        assert self.draft is not None and self.d_cache is not None
+        lagging = [r for r in rows
+                   if len(r.tokens) - 1 - len(r.draft_fed) > AdaptiveK.MAX_PROBE_CATCH_UP]
+        if not lagging:
+            return 0.0
+        blocks = [r.tokens[len(r.draft_fed):-1] for r in lagging]
+        t0 = time.perf_counter()
+        _ragged_verify(self.draft, self.d_cache, lagging, blocks, [len(b) for b in blocks],
+                       np.ones(len(lagging), bool), last=True)  # no logits reach the host
+        for row, block in zip(lagging, blocks, strict=True):
+            row.draft_fed.extend(block)
+        return time.perf_counter() - t0
+
     def _propose(self, live: list[BatchRow], k: int
-                 ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], float, set[int]]:
+                 ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], float, set[int],
+                            float]:
         """Drafts per live row (n-gram hits, then the draft model for the rest), their draft
-        probabilities (random sampling with the model), model seconds and the model-drafted
-        rows."""
+        probabilities (random sampling with the model), the drafting calls' seconds, the
+        model-drafted rows and the seconds of a catch-up call before them (`_catch_up`)."""
         budgets = {r.index: draft_budget(self.plan, k, r.output, len(r.tokens), self.limit)
                    for r in live}
         ks = {i: own for i, (own, _) in budgets.items()}
@@ -200,11 +227,12 @@ class BatchDecoder:
             elif ks[row.index]:
                 model_rows.append(row)
         if not model_rows or self.draft is None:
-            return drafts, {}, 0.0, set()
+            return drafts, {}, 0.0, set(), 0.0
+        catch_up = self._catch_up(model_rows)
         model, probs, seconds = _draft(self.draft, self.d_cache, model_rows, ks, self.compact,
                                        self.plan.draft_p_min)
         drafts.update(model)
-        return drafts, probs, seconds, {r.index for r in model_rows}
+        return drafts, probs, seconds, {r.index for r in model_rows}, catch_up
 
     def step(self) -> list[BatchRow]:
         """One round for every live row; returns the rows that finished in it (and rows whose
@@ -219,7 +247,7 @@ class BatchDecoder:
             return finished
         t_start = time.perf_counter()
         fed = live if self.compact else [r for r in self.slots if r is not None]
-        drafts, probs, draft_s, model_rows = self._propose(
+        drafts, probs, draft_s, model_rows, catch_up_s = self._propose(
             live, self.tuner.k if self.tuner else self.plan.k)
         k_round = max(len(d) for d in drafts.values())
         t1 = time.perf_counter()
@@ -258,7 +286,7 @@ class BatchDecoder:
                 self.d_cache.lengths[row.index] = keep
             row.sampler.forget(row.position)
             row.stats.record_round(n, accepted, verify_s=verify_s / len(live),
-                                   draft_s=draft_s / len(live),
+                                   draft_s=(draft_s + catch_up_s) / len(live),
                                    draft_calls=n if row.index in model_rows else 0)
             row.output.push(emitted)
             if not row.output.done and len(row.tokens) >= self.limit:
@@ -278,13 +306,12 @@ class BatchDecoder:
         totals.new_tokens += sum(len(r.generated) - r.counted for r in live)
         for r in live:
             r.counted = len(r.generated)
-        totals.draft_s += draft_s
+        totals.draft_s += draft_s + catch_up_s
         totals.verify_s += verify_s
         totals.decode_s += time.perf_counter() - t_start
         if self.tuner is not None and tuned:
-            # Cost per drafted position of the round: the model's calls (the first includes the
-            # catch-up, which at batch 8 costs much more than a 1-token step), or nothing for
-            # n-gram drafts, which are free.
+            # Cost per drafted position of the round: the model's drafting calls (a long
+            # catch-up ran apart, `_catch_up`), or nothing for n-gram drafts, which are free.
             lag = max((len(r.tokens) - len(r.draft_fed) for r in live), default=0) \
                 if self.d_cache is not None else 0
             self.tuner.update_batch(k_round, tuned, draft_s, k_round, verify_s, lag)
