@@ -168,9 +168,12 @@ class BatchDecoder:
         if self.draft is not None and self.d_cache is not None:
             self.d_cache.lengths[slot] = 0
             if self.tuner is None or self.tuner.k > 0:
+                t_draft = time.perf_counter()
                 _prefill(self.draft, self.d_cache, slot, row.tokens[:-1])
                 row.draft_fed = list(row.tokens[:-1])
                 row.draft_stable = len(row.draft_fed)
+                if self.tuner is not None:
+                    self.tuner.add_probe_cost(time.perf_counter() - t_draft)
             # else: adaptive K decodes without drafts for now; the draft's first call, if
             # drafting resumes, feeds the row's prompt (its catch-up, which the tuner weighs)
         row.stats.prefill_s = time.perf_counter() - t0
@@ -314,7 +317,8 @@ class BatchDecoder:
             # catch-up ran apart, `_catch_up`), or nothing for n-gram drafts, which are free.
             lag = max((len(r.tokens) - len(r.draft_fed) for r in live), default=0) \
                 if self.d_cache is not None else 0
-            self.tuner.update_batch(k_round, tuned, draft_s, k_round, verify_s, lag)
+            self.tuner.update_batch(k_round, tuned, draft_s, k_round, verify_s, lag,
+                                    catch_up_s)
         elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
             self.tuner.record_verify(k_round + 1, verify_s)
         return finished

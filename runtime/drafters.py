@@ -235,7 +235,9 @@ class AdaptiveK:
       generation cost 0.37 s of catch-up, 13 target-only rounds. A probe due during a new
       generation (whose draft starts from its prefill) runs at its first round instead, so
       probes keep their doubling interval. For the same reason a choice to leave k = 0 while
-      the draft lags must save its catch-up within the next probe interval.
+      the draft lags must save its catch-up within the next probe interval. A probe that
+      changes nothing also waits until its cost (beyond a plain round, plus any draft prefill
+      or catch-up it needed: `add_probe_cost`) is at most `PROBE_SHARE` of the rounds between.
 
     A tuner outlives one generation: `Pair` keeps one per (batch size, drafter, k max), so every
     generation after the first starts from what this device measured; `new_text` discounts the
@@ -245,6 +247,8 @@ class AdaptiveK:
 
     MIN_COST_SAMPLES = 3.0
     MAX_PROBE_CATCH_UP = 8
+    PROBE_SHARE = 0.02  # an unfruitful probe may cost this share of the rounds till the next
+    MAX_COSTLY_PROBE_EVERY = 4096
     MIN_GAIN = 0.03  # drafting is chosen over plain decoding only when predicted this much faster
 
     def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
@@ -271,6 +275,7 @@ class AdaptiveK:
         self._best_at_probe: int | None = None
         self._probes = 0
         self.catch_up = 0  # the most tokens a row's draft would feed before drafting
+        self._probe_cost = 0.0  # seconds the current probe cost beyond a plain round
         self.text_rounds: float | None = None  # rounds per text (moving average)
         self._text_start = 0
 
@@ -297,6 +302,12 @@ class AdaptiveK:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
+    def add_probe_cost(self, seconds: float) -> None:
+        """Time spent only because the current k is a probe (the draft's prefill for a
+        generation that starts with one); it spaces out the next probes (`PROBE_SHARE`)."""
+        if self.probing:
+            self._probe_cost += seconds
+
     def update(self, k: int, accepted: int, draft_step_s: float, draft_step_calls: int,
                verify_s: float, catch_up: int = 0) -> None:
         """Record one round: k proposed, `accepted` of them accepted, and its costs;
@@ -312,14 +323,20 @@ class AdaptiveK:
         self._line = None  # refitted on demand
 
     def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
-                     draft_step_calls: int, verify_s: float, catch_up: int = 0) -> None:
+                     draft_step_calls: int, verify_s: float, catch_up: int = 0,
+                     catch_up_s: float = 0.0) -> None:
         """Record one batched round: (proposed, accepted) per row, and the round's costs.
 
         The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
-        `catch_up`: the most tokens a row's draft would feed before drafting next round.
+        `catch_up`: the most tokens a row's draft would feed before drafting next round;
+        `catch_up_s`: seconds of a separate catch-up call before this round's drafts.
         """
         self.rounds += 1
         self.catch_up = catch_up
+        if self.probing:  # what the probe cost beyond a plain round
+            plain = self.verify_cost(1)
+            self._probe_cost += catch_up_s + max(
+                0.0, draft_step_s + verify_s - (plain if plain is not None else verify_s))
         for proposed, accepted in outcomes:
             for i in range(1, min(proposed, accepted + 1) + 1):
                 self.reached[i] = self.accept_decay * self.reached[i] + 1.0
@@ -395,6 +412,14 @@ class AdaptiveK:
             changed = best != self._best_at_probe
             self.interval = self.probe_every if changed else min(2 * self.interval,
                                                                  self.max_probe_every)
+            plain = self.verify_cost(1)
+            if not changed and plain:
+                # A dear probe (at batch 8 on a CPU, the draft's prefill for 8 prompts: 14
+                # plain rounds) waits until it costs at most PROBE_SHARE of the rounds between.
+                self.interval = max(self.interval, min(
+                    int(self._probe_cost / (self.PROBE_SHARE * plain)),
+                    self.MAX_COSTLY_PROBE_EVERY))
+            self._probe_cost = 0.0
             self.next_probe = self.rounds + self.interval
             self._best_at_probe = None
         self.probing = False

@@ -199,4 +199,32 @@ def test_a_new_text_pulls_forward_only_the_probes_due_during_it() -> None:
             probes.append(tuner.probing)
             tuner.update(tuner.k, 0, tuner.k * 0.9, tuner.k, 1.0 + 0.3 * tuner.k, catch_up=2)
     starts = [probes[20 * t] for t in range(12)]
-    assert starts[:3] == [False, True, True] and sum(starts) <= 7, starts
+    # The first probe (mid text 0, a short catch-up) cost 1.2 plain rounds: the next one is
+    # due 60 rounds on, during text 3, and runs at its start; then the interval doubles.
+    assert starts[:4] == [False, False, False, True] and sum(starts) <= 3, starts
+    assert sum(probes) <= 4, "probes mid-text"
+
+
+def test_a_dear_probe_waits_until_it_costs_a_small_share() -> None:
+    """A probe that changes nothing waits until it costs at most PROBE_SHARE of the rounds
+    between: at batch 8 on a CPU a generation's first-round probe also prefilled the draft
+    for 8 prompts (14 plain rounds of time), and it ran at every other generation."""
+    tuner = AdaptiveK(4)
+    tuner.update(2, 0, 2 * 0.9, 2, 1.3)  # drafting does not pay: k -> 0
+    for _ in range(20):
+        tuner.update(0, 0, 0.0, 0, 1.0, catch_up=20)
+    tuner.new_text()
+    assert tuner.probing
+    tuner.add_probe_cost(14.0)  # the draft's prefill for this text, in plain-round seconds
+    tuner.update(tuner.k, 0, 0.9, 1, 1.1, catch_up=2)
+    assert not tuner.probing and tuner.k == 0
+    cost = 14.0 + 0.9 + 1.1 - 1.0
+    assert tuner.interval >= cost / (AdaptiveK.PROBE_SHARE * 1.0) - 1
+    cheap = AdaptiveK(4)  # the same probe without the prefill: the doubling interval only
+    cheap.update(2, 0, 2 * 0.9, 2, 1.3)
+    for _ in range(20):
+        cheap.update(0, 0, 0.0, 0, 1.0, catch_up=20)
+    cheap.new_text()
+    assert cheap.probing
+    cheap.update(cheap.k, 0, 0.9, 1, 1.1, catch_up=2)
+    assert cheap.interval < tuner.interval
