@@ -404,8 +404,13 @@ class AdaptiveK:
             best = 0  # near break-even the estimates' noise flipped k to drafts that lost
         if best and 0 in measured and self.catch_up > self.MAX_PROBE_CATCH_UP:
             # Leaving k = 0 first feeds the draft every token since; it must pay within the
-            # next probe interval (batch 8 on a CPU: one such switch cost 0.8 s, 23 rounds).
-            saving = self.interval * (1 / measured[0] - 1 / measured[best])
+            # next probe interval and what is left of this text (batch 8 on a CPU: one such
+            # switch cost 0.8 s, 23 rounds; with the draft's prefill deferred, a whole prefill).
+            horizon = float(self.interval)
+            if self.text_rounds is not None:
+                left = self.text_rounds - (self.rounds - self._text_start)
+                horizon = max(0.0, min(horizon, left))
+            saving = horizon * (1 / measured[0] - 1 / measured[best])
             if saving < self.catch_up * (self.draft_step or 0.0):
                 best = 0
         if self._best_at_probe is not None:  # the round after a probe: did it change anything?

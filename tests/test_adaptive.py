@@ -228,3 +228,21 @@ def test_a_dear_probe_waits_until_it_costs_a_small_share() -> None:
     assert cheap.probing
     cheap.update(cheap.k, 0, 0.9, 1, 1.1, catch_up=2)
     assert cheap.interval < tuner.interval
+
+
+def test_leaving_plain_decoding_must_pay_within_the_text_left() -> None:
+    """The catch-up of a switch from k = 0 must be saved within what is left of the text, not
+    only within the next probe interval: after a dear probe that interval is hundreds of
+    rounds, and at batch 8 such switches (a whole deferred draft prefill each) made adaptive
+    K 0.88x of target-only."""
+    tuner = AdaptiveK(4)
+    for accepted in (1, 0, 1, 0):
+        tuner.update(2, accepted, 2 * 0.5, 2, 1.3)
+    for _ in range(60):
+        tuner.update(0, 0, 0.0, 0, 1.0, catch_up=20)
+    tuner.new_text()
+    tuner.k, tuner.probing, tuner._best_at_probe = 0, False, None
+    tuner.interval, tuner.next_probe = 4096, tuner.rounds + 4096  # after a dear probe
+    for r in range(60):
+        tuner.update(0, 0, 0.0, 0, 1.0 if r < 30 else 1.6, catch_up=9 + r)
+        assert tuner.k == 0, f"left k = 0 at round {r} of the text"
