@@ -173,7 +173,9 @@ class BatchDecoder:
                 row.draft_fed = list(row.tokens[:-1])
                 row.draft_stable = len(row.draft_fed)
                 if self.tuner is not None:
-                    self.tuner.add_probe_cost(time.perf_counter() - t_draft)
+                    fed = time.perf_counter() - t_draft
+                    self.tuner.add_probe_cost(fed)
+                    self.tuner.record_feed(len(row.draft_fed), fed)
             # else: adaptive K decodes without drafts for now; the draft's first call, if
             # drafting resumes, feeds the row's prompt (its catch-up, which the tuner weighs)
         row.stats.prefill_s = time.perf_counter() - t0
@@ -199,8 +201,7 @@ class BatchDecoder:
         (`AdaptiveK.MAX_PROBE_CATCH_UP`), and a prompt-long one counted as a draft step would
         make every later step look dear."""
         assert self.draft is not None and self.d_cache is not None
-        lagging = [r for r in rows
-                   if len(r.tokens) - 1 - len(r.draft_fed) > AdaptiveK.MAX_PROBE_CATCH_UP]
+        lagging = [r for r in rows if _lag(r) > AdaptiveK.MAX_PROBE_CATCH_UP]
         if not lagging:
             return 0.0
         blocks = [r.tokens[len(r.draft_fed):-1] for r in lagging]
@@ -209,7 +210,10 @@ class BatchDecoder:
                        np.ones(len(lagging), bool), last=True)  # no logits reach the host
         for row, block in zip(lagging, blocks, strict=True):
             row.draft_fed.extend(block)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if self.tuner is not None:
+            self.tuner.record_feed(sum(len(b) for b in blocks), seconds)
+        return seconds
 
     def _propose(self, live: list[BatchRow], k: int
                  ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], float, set[int],
@@ -315,10 +319,10 @@ class BatchDecoder:
         if self.tuner is not None and tuned:
             # Cost per drafted position of the round: the model's drafting calls (a long
             # catch-up ran apart, `_catch_up`), or nothing for n-gram drafts, which are free.
-            lag = max((len(r.tokens) - len(r.draft_fed) for r in live), default=0) \
-                if self.d_cache is not None else 0
-            self.tuner.update_batch(k_round, tuned, draft_s, k_round, verify_s, lag,
-                                    catch_up_s)
+            lags = [_lag(r) for r in live] if self.d_cache is not None else [-1]
+            self.tuner.update_batch(
+                k_round, tuned, draft_s, k_round, verify_s, max(lags) + 1, catch_up_s,
+                catch_up_tokens=sum(n for n in lags if n > AdaptiveK.MAX_PROBE_CATCH_UP))
         elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
             self.tuner.record_verify(k_round + 1, verify_s)
         return finished
@@ -336,6 +340,12 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, plan: DecodePlan,
     while decoder.live:
         decoder.step()
     return rows, decoder.totals
+
+
+def _lag(row: BatchRow) -> int:
+    """Committed tokens the row's draft has not been fed, but the last (which the next
+    drafting call feeds anyway); `BatchDecoder._catch_up` feeds them when many."""
+    return len(row.tokens) - 1 - len(row.draft_fed)
 
 
 def _prefill_first(model: OrtModel, cache: KVCache, index: int, row: BatchRow) -> np.ndarray:

@@ -235,14 +235,16 @@ class AdaptiveK:
       generation cost 0.37 s of catch-up, 13 target-only rounds. A probe due during a new
       generation (whose draft starts from its prefill) runs at its first round instead, so
       probes keep their doubling interval. For the same reason a choice to leave k = 0 while
-      the draft lags must save its catch-up within the next probe interval. A probe that
+      the draft lags must save its catch-up within the next probe interval, and a batch's
+      choice to draft at a text's start must save the rows' draft prefills (deferred at
+      k = 0) within the text; both priced by the measured feed cost (`record_feed`). A probe that
       changes nothing also waits until its cost (beyond a plain round, plus any draft prefill
       or catch-up it needed: `add_probe_cost`) is at most `PROBE_SHARE` of the rounds between.
 
     A tuner outlives one generation: `Pair` keeps one per (batch size, drafter, k max), so every
     generation after the first starts from what this device measured; `new_text` discounts the
-    acceptance counts at each new generation (acceptance belongs to the text, costs to the
-    device).
+    acceptance counts the last generation observed (acceptance belongs to the text, costs to
+    the device).
     """
 
     MIN_COST_SAMPLES = 3.0
@@ -275,18 +277,34 @@ class AdaptiveK:
         self._best_at_probe: int | None = None
         self._probes = 0
         self.catch_up = 0  # the most tokens a row's draft would feed before drafting
+        self.catch_up_tokens = 0  # all rows' tokens a separate catch-up call would feed
+        self.feed_token_s: float | None = None  # seconds per token fed to the draft outside
+        # drafting (a prefill, a catch-up call): what a catch-up or deferred prefill costs
+        self._text_prefill = 0  # prompt tokens whose draft prefill waits for drafting
+        self._observed = False  # drafts were verified since the text started
         self._probe_cost = 0.0  # seconds the current probe cost beyond a plain round
         self.text_rounds: float | None = None  # rounds per text (moving average)
         self._text_start = 0
 
-    def new_text(self, carry: float = 0.3) -> None:
+    def new_text(self, carry: float = 0.3, prefill_tokens: int = 0) -> None:
         """A new generation starts: keep the measured costs (a property of the device), but
         discount the acceptance counts to `carry` of their weight (a property of the text) so
-        the new prompt's own rounds take over within a few rounds, and choose k again."""
-        self.hits = [h * carry for h in self.hits]
-        self.reached = [n * carry for n in self.reached]
-        self._estimate_acceptance()
+        the new prompt's own rounds take over within a few rounds, and choose k again.
+
+        `prefill_tokens`: the prompt tokens (all rows) the draft is prefilled with only if
+        this text starts drafting (a batch defers the prefill at k = 0); drafting must then
+        save that prefill within the text (once `feed_token_s` is measured)."""
+        if self._observed:
+            # Only what the last text observed is discounted: after texts at k = 0 throughout,
+            # compounded discounts left nothing, and one probe round of 8 rows that all
+            # accepted read as acceptance 1.0 at every depth and switched to k = 4 (batch 8).
+            self.hits = [h * carry for h in self.hits]
+            self.reached = [n * carry for n in self.reached]
+            self._estimate_acceptance()
+            self._observed = False
         self.catch_up = 0  # the draft starts from the new prompt's prefill
+        self.catch_up_tokens = 0
+        self._text_prefill = prefill_tokens
         if self.rounds > self._text_start:
             n = float(self.rounds - self._text_start)
             self.text_rounds = n if self.text_rounds is None else 0.7 * self.text_rounds + 0.3 * n
@@ -308,6 +326,12 @@ class AdaptiveK:
         if self.probing:
             self._probe_cost += seconds
 
+    def record_feed(self, tokens: int, seconds: float) -> None:
+        """Record a call that fed the draft `tokens` tokens (all rows) outside drafting: a
+        prefill or a catch-up; it prices the next ones."""
+        if tokens > 0:
+            self.feed_token_s = self._ema(self.feed_token_s, seconds / tokens)
+
     def update(self, k: int, accepted: int, draft_step_s: float, draft_step_calls: int,
                verify_s: float, catch_up: int = 0) -> None:
         """Record one round: k proposed, `accepted` of them accepted, and its costs;
@@ -324,20 +348,25 @@ class AdaptiveK:
 
     def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
                      draft_step_calls: int, verify_s: float, catch_up: int = 0,
-                     catch_up_s: float = 0.0) -> None:
+                     catch_up_s: float = 0.0, catch_up_tokens: int | None = None) -> None:
         """Record one batched round: (proposed, accepted) per row, and the round's costs.
 
         The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
         `catch_up`: the most tokens a row's draft would feed before drafting next round;
-        `catch_up_s`: seconds of a separate catch-up call before this round's drafts.
+        `catch_up_tokens`: what a separate catch-up call would feed, all rows (default
+        `catch_up`); `catch_up_s`: seconds of a separate catch-up call before this round's
+        drafts.
         """
         self.rounds += 1
         self.catch_up = catch_up
+        self.catch_up_tokens = catch_up if catch_up_tokens is None else catch_up_tokens
+        self._text_prefill = 0  # the text has started: its prefill was made or deferred
         if self.probing:  # what the probe cost beyond a plain round
             plain = self.verify_cost(1)
             self._probe_cost += catch_up_s + max(
                 0.0, draft_step_s + verify_s - (plain if plain is not None else verify_s))
         for proposed, accepted in outcomes:
+            self._observed |= proposed > 0
             for i in range(1, min(proposed, accepted + 1) + 1):
                 self.reached[i] = self.accept_decay * self.reached[i] + 1.0
                 self.hits[i] = self.accept_decay * self.hits[i] + (i <= accepted)
@@ -388,6 +417,19 @@ class AdaptiveK:
             return None
         return self.expected_tokens(k) / (k * (self.draft_step or 0.0) + verify)
 
+    def _catch_up_cost(self) -> float:
+        """Seconds of feeding the draft before it can draft again: the rows' deferred draft
+        prefills at a text's start (once a feed was measured; before, the first texts draft
+        and measure it), or a lag of more than `MAX_PROBE_CATCH_UP` tokens (priced per step
+        until a feed was measured); 0 when there is nothing to weigh."""
+        if self._text_prefill:
+            return self._text_prefill * (self.feed_token_s or 0.0)
+        if self.catch_up <= self.MAX_PROBE_CATCH_UP:
+            return 0.0
+        if self.feed_token_s is not None:
+            return self.catch_up_tokens * self.feed_token_s
+        return self.catch_up * (self.draft_step or 0.0)
+
     def choose(self) -> int:
         if self.draft_step is None and self.k > 0:
             return self.k  # no draft cost measured yet (e.g. no n-gram hit so far): keep trying
@@ -402,16 +444,19 @@ class AdaptiveK:
         best = max(measured, key=lambda k: measured[k]) if measured else self.k
         if best and 0 in measured and measured[best] < measured[0] * (1 + self.MIN_GAIN):
             best = 0  # near break-even the estimates' noise flipped k to drafts that lost
-        if best and 0 in measured and self.catch_up > self.MAX_PROBE_CATCH_UP:
+        catch_up = self._catch_up_cost()
+        if best and 0 in measured and catch_up > 0:
             # Leaving k = 0 first feeds the draft every token since; it must pay within the
             # next probe interval and what is left of this text (batch 8 on a CPU: one such
-            # switch cost 0.8 s, 23 rounds; with the draft's prefill deferred, a whole prefill).
+            # switch cost 0.8 s, 23 rounds; with the draft's prefill deferred, a whole
+            # prefill). At a text's start drafting must pay the rows' draft prefills within
+            # the text (batch 8 on a CPU: k = 1 predicted 4% faster did not pay 8 prefills).
             horizon = float(self.interval)
             if self.text_rounds is not None:
                 left = self.text_rounds - (self.rounds - self._text_start)
-                horizon = max(0.0, min(horizon, left))
+                horizon = max(0.0, left if self._text_prefill else min(horizon, left))
             saving = horizon * (1 / measured[0] - 1 / measured[best])
-            if saving < self.catch_up * (self.draft_step or 0.0):
+            if saving < catch_up:
                 best = 0
         if self._best_at_probe is not None:  # the round after a probe: did it change anything?
             changed = best != self._best_at_probe

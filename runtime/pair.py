@@ -359,10 +359,11 @@ class Pair:
                          tokenizer=self.tokenizer if text else None, prompt_ids=prompt_ids,
                          stop=config.stop if text else ())
 
-    def _take_tuner(self, key: tuple[int, str, int], plan: DecodePlan) -> AdaptiveK | None:
+    def _take_tuner(self, key: tuple[int, str, int], plan: DecodePlan,
+                    prefill_tokens: int = 0) -> AdaptiveK | None:
         """A copy of what earlier generations with this key learned (a new tuner the first
         time); None when the plan is not adaptive. Copied, so concurrent generations do not
-        share one."""
+        share one. `prefill_tokens`: see `AdaptiveK.new_text`."""
         if not plan.adaptive:
             return None
         with self._tuner_lock:
@@ -370,7 +371,7 @@ class Pair:
         if stored is None:
             return new_tuner(plan.drafter, plan.k)
         tuner = copy.deepcopy(stored)
-        tuner.new_text()
+        tuner.new_text(prefill_tokens=prefill_tokens)
         return tuner
 
     def _keep_tuner(self, key: tuple[int, str, int], tuner: AdaptiveK | None) -> None:
@@ -495,7 +496,8 @@ class Pair:
         requests = [RowRequest(prompt=ids, output=self.new_output(ids, c), params=c.sampling)
                     for ids, c in zip(ids_list, configs, strict=True)]
         key = (len(prompts), plan.drafter, plan.k)
-        tuner = self._take_tuner(key, plan)
+        # A batch prefills the draft only if it starts drafting: weighed with the drafts.
+        tuner = self._take_tuner(key, plan, sum(len(ids) for ids in ids_list))
         rows, totals = decode_batch(self.target, self.draft, plan, requests, max_len=max_len,
                                     compact=compact, tuner=tuner)
         self._keep_tuner(key, tuner)

@@ -246,3 +246,66 @@ def test_leaving_plain_decoding_must_pay_within_the_text_left() -> None:
     for r in range(60):
         tuner.update(0, 0, 0.0, 0, 1.0 if r < 30 else 1.6, catch_up=9 + r)
         assert tuner.k == 0, f"left k = 0 at round {r} of the text"
+
+
+def _small_gain_tuner() -> AdaptiveK:
+    """A warm batch tuner whose k = 1 is predicted ~7% faster than plain decoding, after one
+    40-round text: per round verify(1) = 1.0, verify(2) = 1.35, a draft step 0.05 and the
+    drafts accept 0.5."""
+    tuner = AdaptiveK(1)
+    for r in range(40):
+        k = r % 2  # both sizes measured
+        tuner.update_batch(k, [(k, (r // 2) % 2 * k)] * 8, 0.05 * k, k, 1.0 + 0.35 * k)
+    tuner.k, tuner.probing, tuner._best_at_probe = 1, False, None
+    tuner.next_probe = tuner.rounds + 1000
+    return tuner
+
+
+def test_a_batch_drafts_at_a_text_start_only_if_that_pays_the_draft_prefills() -> None:
+    """Regression (batch 8 on the CPU, end to end): at a generation's start the tuner chose
+    k = 1, predicted a few percent faster, and the batch then prefilled the draft for its 8
+    prompts, which those few percent never paid back: adaptive K 0.92x of target-only.
+    Drafting at a text's start must save the deferred draft prefills within the text."""
+    assert _small_gain_tuner().expected_rate(1) > 1.03 * _small_gain_tuner().expected_rate(0)
+    dear = _small_gain_tuner()
+    dear.record_feed(40, 40 * 0.1)  # a 40-token draft prefill took 4 plain rounds
+    dear.new_text(prefill_tokens=8 * 40)
+    assert dear.k == 0
+    cheap = _small_gain_tuner()
+    cheap.record_feed(40, 40 * 0.001)  # a GPU-like prefill: one call for the whole prompt
+    cheap.new_text(prefill_tokens=8 * 40)
+    assert cheap.k == 1
+    unmeasured = _small_gain_tuner()  # no prefill measured yet: it drafts and measures one
+    unmeasured.new_text(prefill_tokens=8 * 40)
+    assert unmeasured.k == 1
+    batch1 = _small_gain_tuner()  # batch 1 prefills the draft anyway: nothing to weigh
+    batch1.record_feed(40, 40 * 0.1)
+    batch1.new_text()
+    assert batch1.k == 1
+
+
+def test_texts_at_plain_decoding_keep_the_acceptance_learned_before() -> None:
+    """Regression (batch 8 on the CPU): each new text discounted the acceptance counts, also
+    after texts that drafted nothing; after a few such texts nothing was left, and one probe
+    round in which all 8 rows accepted read as acceptance 1.0 at every depth and switched to
+    k = 4 (then back: a 0.2 s detour, and a probe interval reset to 16 rounds)."""
+    tuner = AdaptiveK(4)
+    rng = random.Random(3)
+    for _ in range(40):  # acceptance ~0.7 measured at k = 2; drafting loses at batch 8
+        outcomes = []
+        for _ in range(8):
+            accepted = 0
+            while accepted < 2 and rng.random() < 0.7:
+                accepted += 1
+            outcomes.append((2, accepted))
+        tuner.update_batch(2, outcomes, 2 * 0.014, 2, 0.0296)
+        tuner.update_batch(0, [(0, 0)] * 8, 0.0, 0, 0.0222)
+    for _ in range(6):  # texts at k = 0 throughout
+        tuner.new_text()
+        tuner.k, tuner.probing, tuner._best_at_probe = 0, False, None
+        tuner.next_probe = tuner.rounds + 1000
+        for _ in range(60):
+            tuner.update_batch(0, [(0, 0)] * 8, 0.0, 0, 0.0222)
+    assert tuner.accept[1] < 0.85
+    tuner.update_batch(1, [(1, 1)] * 8, 0.014, 1, 0.027)  # a lucky probe round
+    assert tuner.k == 0, [round(a, 2) for a in tuner.accept]
