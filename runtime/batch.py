@@ -322,9 +322,10 @@ class BatchDecoder:
             lags = [_lag(r) for r in live] if self.d_cache is not None else [-1]
             self.tuner.update_batch(
                 k_round, tuned, draft_s, k_round, verify_s, max(lags) + 1, catch_up_s,
-                catch_up_tokens=sum(n for n in lags if n > AdaptiveK.MAX_PROBE_CATCH_UP))
+                catch_up_tokens=sum(n for n in lags if n > AdaptiveK.MAX_PROBE_CATCH_UP),
+                rows=len(fed), next_rows=len(self.live))
         elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
-            self.tuner.record_verify(k_round + 1, verify_s)
+            self.tuner.record_verify(k_round + 1, verify_s, len(fed))
         return finished
 
 

@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from .backend import KVCache, OrtModel
+from .costs import CostTable
 from .rounds import RowSampler, fed_prefix
 
 
@@ -221,9 +222,9 @@ class AdaptiveK:
       and switch drafting off): a deep position seen in a few rounds stays near its shallower
       neighbour instead of following two unlucky probes (which kept k at 3 where the drafts
       accept 97% at every depth), and one seen often follows its own counts.
-    - verify(s) is a per-s moving average where s was measured at least `MIN_COST_SAMPLES`
-      times, otherwise the weighted least-squares line through the measured sizes (one stale
-      outlier cannot hide a cheap size).
+    - verify(s) and the draft step come from `costs.CostTable`s keyed by the tokens a call
+      feeds (live rows x positions), so a batch whose rows finish at different times compares
+      its plain and drafting rounds at the rows it has now (`rows`).
     - verify(1), plain decoding, is measured first: the round after the first drafting round
       runs at k = 0 (one target-only round, never slower than plain decoding). Drafting is
       chosen only when predicted `MIN_GAIN` (3%) faster than k = 0.
@@ -264,10 +265,11 @@ class AdaptiveK:
         self.hits = [0.0] * (k_max + 1)  # decayed "accepted" counts per draft position (1-based)
         self.reached = [0.0] * (k_max + 1)  # decayed "reached" counts per position
         self.accept = [prior] * (k_max + 1)  # a(i), derived from the counts
-        self.draft_step = draft_step  # seconds per drafted position (0 for free drafts)
-        self.verify: dict[int, float] = {}  # moving average of verify(s)
-        self.verify_weight: dict[int, float] = {}  # decayed sample counts behind it
-        self._line: tuple[float, float, float] | None = None  # (mean s, mean cost, slope)
+        # Seconds of a draft step by rows drafting (fixed 0 for free drafts), and of a target
+        # call by tokens verified (rows x positions).
+        self.draft = CostTable(decay, self.MIN_COST_SAMPLES, fixed=draft_step)
+        self.verify = CostTable(decay, self.MIN_COST_SAMPLES)
+        self.rows = 1  # live rows of the next round
         self.rounds = 0
         self.probe_every = probe_every
         self.max_probe_every = max(probe_every, max_probe_every)
@@ -286,14 +288,18 @@ class AdaptiveK:
         self.text_rounds: float | None = None  # rounds per text (moving average)
         self._text_start = 0
 
-    def new_text(self, carry: float = 0.3, prefill_tokens: int = 0) -> None:
+    def new_text(self, carry: float = 0.3, prefill_tokens: int = 0,
+                 rows: int | None = None) -> None:
         """A new generation starts: keep the measured costs (a property of the device), but
         discount the acceptance counts to `carry` of their weight (a property of the text) so
         the new prompt's own rounds take over within a few rounds, and choose k again.
 
         `prefill_tokens`: the prompt tokens (all rows) the draft is prefilled with only if
         this text starts drafting (a batch defers the prefill at k = 0); drafting must then
-        save that prefill within the text (once `feed_token_s` is measured)."""
+        save that prefill within the text (once `feed_token_s` is measured). `rows`: the
+        text's rows (a batch's prompts)."""
+        if rows:
+            self.rows = rows
         if self._observed:
             # Only what the last text observed is discounted: after texts at k = 0 throughout,
             # compounded discounts left nothing, and one probe round of 8 rows that all
@@ -339,24 +345,30 @@ class AdaptiveK:
         self.update_batch(k, [(k, accepted)], draft_step_s, draft_step_calls, verify_s,
                           catch_up)
 
-    def record_verify(self, size: int, verify_s: float) -> None:
-        """Record only the cost of verifying `size` positions (a round whose k this tuner did
-        not choose, e.g. a free n-gram hit next to model drafting)."""
-        self.verify[size] = self._ema(self.verify.get(size), verify_s)
-        self.verify_weight[size] = self.decay * self.verify_weight.get(size, 0.0) + 1.0
-        self._line = None  # refitted on demand
+    @property
+    def draft_step(self) -> float | None:
+        """Seconds per drafted position at the current rows (None: not measured yet)."""
+        return self.draft.cost(self.rows)
+
+    def record_verify(self, size: int, verify_s: float, rows: int = 1) -> None:
+        """Record only the cost of verifying `size` positions for `rows` rows (a round whose k
+        this tuner did not choose, e.g. a free n-gram hit next to model drafting)."""
+        self.verify.record(rows * size, verify_s)
 
     def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
                      draft_step_calls: int, verify_s: float, catch_up: int = 0,
-                     catch_up_s: float = 0.0, catch_up_tokens: int | None = None) -> None:
+                     catch_up_s: float = 0.0, catch_up_tokens: int | None = None,
+                     rows: int | None = None, next_rows: int | None = None) -> None:
         """Record one batched round: (proposed, accepted) per row, and the round's costs.
 
         The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
         `catch_up`: the most tokens a row's draft would feed before drafting next round;
         `catch_up_tokens`: what a separate catch-up call would feed, all rows (default
         `catch_up`); `catch_up_s`: seconds of a separate catch-up call before this round's
-        drafts.
+        drafts; `rows`: the rows the round fed (default: one per outcome); `next_rows`: the
+        rows the next round will feed (default `rows`), at whose costs its k is chosen.
         """
+        rows = rows or len(outcomes)
         self.rounds += 1
         self.catch_up = catch_up
         self.catch_up_tokens = catch_up if catch_up_tokens is None else catch_up_tokens
@@ -372,8 +384,9 @@ class AdaptiveK:
                 self.hits[i] = self.accept_decay * self.hits[i] + (i <= accepted)
         self._estimate_acceptance()
         if draft_step_calls:
-            self.draft_step = self._ema(self.draft_step, draft_step_s / draft_step_calls)
-        self.record_verify(k + 1, verify_s)
+            self.draft.record(rows, draft_step_s / draft_step_calls)
+        self.record_verify(k + 1, verify_s, rows)
+        self.rows = next_rows or rows
         self.k = self.choose()
 
     def _estimate_acceptance(self) -> None:
@@ -387,20 +400,8 @@ class AdaptiveK:
             self.accept[i] = prev = est
 
     def verify_cost(self, s: int) -> float | None:
-        """verify(s): measured where measured enough, else the fitted line."""
-        if self.verify_weight.get(s, 0.0) >= self.MIN_COST_SAMPLES or len(self.verify) == 1:
-            return self.verify.get(s, next(iter(self.verify.values()), None))
-        if not self.verify:
-            return None
-        if self._line is None:
-            w = sum(self.verify_weight.values())
-            xm = sum(x * self.verify_weight[x] for x in self.verify) / w
-            ym = sum(y * self.verify_weight[x] for x, y in self.verify.items()) / w
-            var = sum(self.verify_weight[x] * (x - xm) ** 2 for x in self.verify)
-            cov = sum(self.verify_weight[x] * (x - xm) * (y - ym) for x, y in self.verify.items())
-            self._line = (xm, ym, max(0.0, cov / var) if var else 0.0)
-        xm, ym, slope = self._line
-        return max(ym + slope * (s - xm), 1e-9)
+        """verify(s) for the current rows: measured where measured enough, else the line."""
+        return self.verify.cost(self.rows * s)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens per round at k (1 from the target plus the expected accepted drafts)."""
@@ -433,7 +434,7 @@ class AdaptiveK:
     def choose(self) -> int:
         if self.draft_step is None and self.k > 0:
             return self.k  # no draft cost measured yet (e.g. no n-gram hit so far): keep trying
-        if 1 not in self.verify:
+        if not self.verify.measured(self.rows):
             # Plain decoding's cost, verify(1), is measured by a round at k = 0 before any
             # choice: extrapolated from the drafting rounds' sizes it came out too dear, and a
             # cold tuner kept drafting for ~30 rounds where drafting does not pay (batch 8 on

@@ -371,7 +371,7 @@ class Pair:
         if stored is None:
             return new_tuner(plan.drafter, plan.k)
         tuner = copy.deepcopy(stored)
-        tuner.new_text(prefill_tokens=prefill_tokens)
+        tuner.new_text(prefill_tokens=prefill_tokens, rows=key[0])
         return tuner
 
     def _keep_tuner(self, key: tuple[int, str, int], tuner: AdaptiveK | None) -> None:

@@ -10,6 +10,7 @@ low for good, and a 0.6 acceptance read as 0.4 switched drafting off.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 
@@ -97,7 +98,7 @@ def test_a_new_text_keeps_the_costs_and_discounts_the_acceptance() -> None:
         k = tuner.k
         tuner.update(k, k, 0.4 * k, k, verify_cost(k + 1))
     assert tuner.k >= 6
-    verify, draft = dict(tuner.verify), tuner.draft_step
+    verify, draft = copy.deepcopy(tuner.verify), tuner.draft_step
     tuner.new_text()
     assert tuner.verify == verify and tuner.draft_step == draft
     for _ in range(12):  # a text it does not know: nothing accepted
@@ -309,3 +310,29 @@ def test_texts_at_plain_decoding_keep_the_acceptance_learned_before() -> None:
     assert tuner.accept[1] < 0.85
     tuner.update_batch(1, [(1, 1)] * 8, 0.014, 1, 0.027)  # a lucky probe round
     assert tuner.k == 0, [round(a, 2) for a in tuner.accept]
+
+
+def test_costs_are_compared_at_the_rows_a_batch_has_now() -> None:
+    """Regression (batch 4 on the CPU, end to end): most rows finished early, so plain rounds
+    were measured with 4 live rows (at each generation's start) and drafting rounds with 1;
+    verify(1) read dearer than verify(2) and adaptive K drafted at a loss (0.93x). Costs are
+    kept by the tokens a call feeds (rows x positions) and compared at the current rows."""
+
+    def call(tokens: int) -> float:  # a CPU-like target: cost grows with the tokens fed
+        return 1.0 + 0.25 * (tokens - 1)
+
+    def draft(rows: int) -> float:
+        return 0.3 * rows
+
+    tuner = AdaptiveK(2)
+    for r in range(20):  # 4 live rows: both k measured; drafts accept half the time
+        k = r % 2
+        tuner.update_batch(k, [(k, r // 2 % 2 * k)] * 4, draft(4) * k, k, call(4 * (k + 1)),
+                           rows=4, next_rows=4)
+    ks = []
+    for r in range(40):  # one row left: k = 1 would make 1.5 tokens in 1.55, plain 1 in 1.0
+        k = tuner.k
+        ks.append(k)
+        tuner.update_batch(k, [(k, r % 2 * min(k, 1))], draft(1) * k, k, call(k + 1), rows=1,
+                           next_rows=1)
+    assert sum(k > 0 for k in ks[5:]) <= 3, ks

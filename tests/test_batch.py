@@ -225,7 +225,8 @@ def test_adaptive_at_k0_defers_the_draft_prefill(concat_pair: Pair) -> None:
     assert concat_pair.draft.calls == calls and all(not r.draft_fed for r in rows)
     decoder.step()  # k = 0: no draft call
     assert concat_pair.draft.calls == calls
-    tuner.k, tuner.draft_step = 2, 1.0  # drafting resumes
+    tuner.k = 2  # drafting resumes
+    tuner.draft.record(len(decoder.live), 1.0)
     decoder.step()
     live = [r for r in rows if r.reason is None]
     assert concat_pair.draft.calls == calls + 1 + 2  # the catch-up, then two drafting calls
