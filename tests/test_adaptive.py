@@ -325,10 +325,14 @@ def test_costs_are_compared_at_the_rows_a_batch_has_now() -> None:
         return 0.3 * rows
 
     tuner = AdaptiveK(2)
-    for r in range(20):  # 4 live rows: both k measured; drafts accept half the time
+    for r in range(12):  # one row: both k measured; drafts accept half the time
         k = r % 2
-        tuner.update_batch(k, [(k, r // 2 % 2 * k)] * 4, draft(4) * k, k, call(4 * (k + 1)),
-                           rows=4, next_rows=4)
+        tuner.update_batch(k, [(k, r // 2 % 2 * k)], draft(1) * k, k, call(k + 1), rows=1,
+                           next_rows=1)
+    for _ in range(20):  # a new generation's start: 4 live rows, plain decoding pays
+        tuner.update_batch(0, [(0, 0)] * 4, 0.0, 0, call(4), rows=4, next_rows=4)
+    assert tuner.k == 0
+    tuner.k = 1  # a probe as the rows finish
     ks = []
     for r in range(40):  # one row left: k = 1 would make 1.5 tokens in 1.55, plain 1 in 1.0
         k = tuner.k
