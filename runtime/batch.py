@@ -175,7 +175,7 @@ class BatchDecoder:
                 if self.tuner is not None:
                     fed = time.perf_counter() - t_draft
                     self.tuner.add_probe_cost(fed)
-                    self.tuner.record_feed(len(row.draft_fed), fed)
+                    self.tuner.record_feed(len(row.draft_fed), fed)  # one row's prompt
             # else: adaptive K decodes without drafts for now; the draft's first call, if
             # drafting resumes, feeds the row's prompt (its catch-up, which the tuner weighs)
         row.stats.prefill_s = time.perf_counter() - t0
@@ -212,7 +212,7 @@ class BatchDecoder:
             row.draft_fed.extend(block)
         seconds = time.perf_counter() - t0
         if self.tuner is not None:
-            self.tuner.record_feed(sum(len(b) for b in blocks), seconds)
+            self.tuner.record_feed(len(blocks) * max(map(len, blocks)), seconds)
         return seconds
 
     def _propose(self, live: list[BatchRow], k: int
@@ -322,7 +322,7 @@ class BatchDecoder:
             lags = [_lag(r) for r in live] if self.d_cache is not None else [-1]
             self.tuner.update_batch(
                 k_round, tuned, draft_s, k_round, verify_s, max(lags) + 1, catch_up_s,
-                catch_up_tokens=sum(n for n in lags if n > AdaptiveK.MAX_PROBE_CATCH_UP),
+                catch_up_tokens=_catch_up_size(lags),
                 rows=len(fed), next_rows=len(self.live))
         elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
             self.tuner.record_verify(k_round + 1, verify_s, len(fed))
@@ -341,6 +341,12 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, plan: DecodePlan,
     while decoder.live:
         decoder.step()
     return rows, decoder.totals
+
+
+def _catch_up_size(lags: list[int]) -> int:
+    """Tokens a catch-up call for rows lagging by `lags` feeds: lagging rows x the widest."""
+    far = [n for n in lags if n > AdaptiveK.MAX_PROBE_CATCH_UP]
+    return len(far) * max(far, default=0)
 
 
 def _lag(row: BatchRow) -> int:

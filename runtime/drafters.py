@@ -238,7 +238,8 @@ class AdaptiveK:
       probes keep their doubling interval. For the same reason a choice to leave k = 0 while
       the draft lags must save its catch-up within the next probe interval, and a batch's
       choice to draft at a text's start must save the rows' draft prefills (deferred at
-      k = 0) within the text; both priced by the measured feed cost (`record_feed`). A probe that
+      k = 0) within the text; both priced by the draft's measured calls (`record_feed`), in
+      tokens of text left. A probe that
       changes nothing also waits until its cost (beyond a plain round, plus any draft prefill
       or catch-up it needed: `add_probe_cost`) is at most `PROBE_SHARE` of the rounds between.
 
@@ -280,23 +281,25 @@ class AdaptiveK:
         self._probes = 0
         self.catch_up = 0  # the most tokens a row's draft would feed before drafting
         self.catch_up_tokens = 0  # all rows' tokens a separate catch-up call would feed
-        self.feed_token_s: float | None = None  # seconds per token fed to the draft outside
-        # drafting (a prefill, a catch-up call): what a catch-up or deferred prefill costs
-        self._text_prefill = 0  # prompt tokens whose draft prefill waits for drafting
+        self.fed = False  # a draft prefill or catch-up was measured (`record_feed`)
+        self._stepped = False  # a draft step was measured
+        self._text_prefill: tuple[int, ...] = ()  # prompts whose draft prefill waits
         self._observed = False  # drafts were verified since the text started
         self._probe_cost = 0.0  # seconds the current probe cost beyond a plain round
         self.text_rounds: float | None = None  # rounds per text (moving average)
+        self.text_tokens: float | None = None  # tokens per row per text (moving average)
+        self._tokens_now = 0.0  # tokens per row so far in this text
         self._text_start = 0
 
-    def new_text(self, carry: float = 0.3, prefill_tokens: int = 0,
+    def new_text(self, carry: float = 0.3, prefill: Sequence[int] = (),
                  rows: int | None = None) -> None:
         """A new generation starts: keep the measured costs (a property of the device), but
         discount the acceptance counts to `carry` of their weight (a property of the text) so
         the new prompt's own rounds take over within a few rounds, and choose k again.
 
-        `prefill_tokens`: the prompt tokens (all rows) the draft is prefilled with only if
-        this text starts drafting (a batch defers the prefill at k = 0); drafting must then
-        save that prefill within the text (once `feed_token_s` is measured). `rows`: the
+        `prefill`: the lengths of the prompts the draft is prefilled with (one call each) only
+        if this text starts drafting (a batch defers the prefill at k = 0); drafting must then
+        save those prefills within the text (once a feed was measured). `rows`: the
         text's rows (a batch's prompts)."""
         if rows:
             self.rows = rows
@@ -310,10 +313,13 @@ class AdaptiveK:
             self._observed = False
         self.catch_up = 0  # the draft starts from the new prompt's prefill
         self.catch_up_tokens = 0
-        self._text_prefill = prefill_tokens
+        self._text_prefill = tuple(prefill)
         if self.rounds > self._text_start:
             n = float(self.rounds - self._text_start)
             self.text_rounds = n if self.text_rounds is None else 0.7 * self.text_rounds + 0.3 * n
+            t = self._tokens_now
+            self.text_tokens = t if self.text_tokens is None else 0.7 * self.text_tokens + 0.3 * t
+        self._tokens_now = 0.0
         self._text_start = self.rounds
         if self.k == 0 and (self.text_rounds is None
                             or self.next_probe <= self.rounds + self.text_rounds):
@@ -333,10 +339,11 @@ class AdaptiveK:
             self._probe_cost += seconds
 
     def record_feed(self, tokens: int, seconds: float) -> None:
-        """Record a call that fed the draft `tokens` tokens (all rows) outside drafting: a
-        prefill or a catch-up; it prices the next ones."""
+        """Record a draft call that fed `tokens` tokens (rows x width) outside drafting: a
+        prefill or a catch-up; with the draft steps, it prices the next ones by their size."""
         if tokens > 0:
-            self.feed_token_s = self._ema(self.feed_token_s, seconds / tokens)
+            self.draft.record(tokens, seconds)
+            self.fed = True
 
     def update(self, k: int, accepted: int, draft_step_s: float, draft_step_calls: int,
                verify_s: float, catch_up: int = 0) -> None:
@@ -347,8 +354,10 @@ class AdaptiveK:
 
     @property
     def draft_step(self) -> float | None:
-        """Seconds per drafted position at the current rows (None: not measured yet)."""
-        return self.draft.cost(self.rows)
+        """Seconds per drafted position at the current rows (None: no draft step measured yet;
+        a prefill alone, 22 ms for 12 tokens, read as a 22 ms step where one takes 8 ms)."""
+        return self.draft.cost(self.rows) if self._stepped or self.draft.fixed is not None \
+            else None
 
     def record_verify(self, size: int, verify_s: float, rows: int = 1) -> None:
         """Record only the cost of verifying `size` positions for `rows` rows (a round whose k
@@ -363,7 +372,7 @@ class AdaptiveK:
 
         The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
         `catch_up`: the most tokens a row's draft would feed before drafting next round;
-        `catch_up_tokens`: what a separate catch-up call would feed, all rows (default
+        `catch_up_tokens`: what a separate catch-up call would feed, rows x width (default
         `catch_up`); `catch_up_s`: seconds of a separate catch-up call before this round's
         drafts; `rows`: the rows the round fed (default: one per outcome); `next_rows`: the
         rows the next round will feed (default `rows`), at whose costs its k is chosen.
@@ -372,7 +381,9 @@ class AdaptiveK:
         self.rounds += 1
         self.catch_up = catch_up
         self.catch_up_tokens = catch_up if catch_up_tokens is None else catch_up_tokens
-        self._text_prefill = 0  # the text has started: its prefill was made or deferred
+        self._text_prefill = ()  # the text has started: its prefill was made or deferred
+        if outcomes:
+            self._tokens_now += sum(a + 1 for _, a in outcomes) / len(outcomes)
         if self.probing:  # what the probe cost beyond a plain round
             plain = self.verify_cost(1)
             self._probe_cost += catch_up_s + max(
@@ -385,6 +396,7 @@ class AdaptiveK:
         self._estimate_acceptance()
         if draft_step_calls:
             self.draft.record(rows, draft_step_s / draft_step_calls)
+            self._stepped = True
         self.record_verify(k + 1, verify_s, rows)
         self.rows = next_rows or rows
         self.k = self.choose()
@@ -424,11 +436,11 @@ class AdaptiveK:
         and measure it), or a lag of more than `MAX_PROBE_CATCH_UP` tokens (priced per step
         until a feed was measured); 0 when there is nothing to weigh."""
         if self._text_prefill:
-            return self._text_prefill * (self.feed_token_s or 0.0)
+            return sum(self.draft.cost(n) or 0.0 for n in self._text_prefill) if self.fed else 0.0
         if self.catch_up <= self.MAX_PROBE_CATCH_UP:
             return 0.0
-        if self.feed_token_s is not None:
-            return self.catch_up_tokens * self.feed_token_s
+        if self.fed:
+            return self.draft.cost(self.catch_up_tokens) or 0.0
         return self.catch_up * (self.draft_step or 0.0)
 
     def choose(self) -> int:
@@ -452,9 +464,9 @@ class AdaptiveK:
             # switch cost 0.8 s, 23 rounds; with the draft's prefill deferred, a whole
             # prefill). At a text's start drafting must pay the rows' draft prefills within
             # the text (batch 8 on a CPU: k = 1 predicted 4% faster did not pay 8 prefills).
-            horizon = float(self.interval)
-            if self.text_rounds is not None:
-                left = self.text_rounds - (self.rounds - self._text_start)
+            horizon = float(self.interval)  # tokens per row: the rounds at k = 0
+            if self.text_tokens is not None:
+                left = self.text_tokens - self._tokens_now
                 horizon = max(0.0, left if self._text_prefill else min(horizon, left))
             saving = horizon * (1 / measured[0] - 1 / measured[best])
             if saving < catch_up:

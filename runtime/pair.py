@@ -360,10 +360,10 @@ class Pair:
                          stop=config.stop if text else ())
 
     def _take_tuner(self, key: tuple[int, str, int], plan: DecodePlan,
-                    prefill_tokens: int = 0) -> AdaptiveK | None:
+                    prefill: Sequence[int] = ()) -> AdaptiveK | None:
         """A copy of what earlier generations with this key learned (a new tuner the first
         time); None when the plan is not adaptive. Copied, so concurrent generations do not
-        share one. `prefill_tokens`: see `AdaptiveK.new_text`."""
+        share one. `prefill`: see `AdaptiveK.new_text`."""
         if not plan.adaptive:
             return None
         with self._tuner_lock:
@@ -371,7 +371,7 @@ class Pair:
         if stored is None:
             return new_tuner(plan.drafter, plan.k)
         tuner = copy.deepcopy(stored)
-        tuner.new_text(prefill_tokens=prefill_tokens, rows=key[0])
+        tuner.new_text(prefill=prefill, rows=key[0])
         return tuner
 
     def _keep_tuner(self, key: tuple[int, str, int], tuner: AdaptiveK | None) -> None:
@@ -497,7 +497,7 @@ class Pair:
                     for ids, c in zip(ids_list, configs, strict=True)]
         key = (len(prompts), plan.drafter, plan.k)
         # A batch prefills the draft only if it starts drafting: weighed with the drafts.
-        tuner = self._take_tuner(key, plan, sum(len(ids) for ids in ids_list))
+        tuner = self._take_tuner(key, plan, [len(ids) for ids in ids_list])
         rows, totals = decode_batch(self.target, self.draft, plan, requests, max_len=max_len,
                                     compact=compact, tuner=tuner)
         self._keep_tuner(key, tuner)

@@ -270,14 +270,14 @@ def test_a_batch_drafts_at_a_text_start_only_if_that_pays_the_draft_prefills() -
     assert _small_gain_tuner().expected_rate(1) > 1.03 * _small_gain_tuner().expected_rate(0)
     dear = _small_gain_tuner()
     dear.record_feed(40, 40 * 0.1)  # a 40-token draft prefill took 4 plain rounds
-    dear.new_text(prefill_tokens=8 * 40)
+    dear.new_text(prefill=[40] * 8)
     assert dear.k == 0
     cheap = _small_gain_tuner()
     cheap.record_feed(40, 40 * 0.001)  # a GPU-like prefill: one call for the whole prompt
-    cheap.new_text(prefill_tokens=8 * 40)
+    cheap.new_text(prefill=[40] * 8)
     assert cheap.k == 1
     unmeasured = _small_gain_tuner()  # no prefill measured yet: it drafts and measures one
-    unmeasured.new_text(prefill_tokens=8 * 40)
+    unmeasured.new_text(prefill=[40] * 8)
     assert unmeasured.k == 1
     batch1 = _small_gain_tuner()  # batch 1 prefills the draft anyway: nothing to weigh
     batch1.record_feed(40, 40 * 0.1)
@@ -340,3 +340,14 @@ def test_costs_are_compared_at_the_rows_a_batch_has_now() -> None:
         tuner.update_batch(k, [(k, r % 2 * min(k, 1))], draft(1) * k, k, call(k + 1), rows=1,
                            next_rows=1)
     assert sum(k > 0 for k in ks[5:]) <= 3, ks
+
+
+def test_a_measured_prefill_is_not_read_as_the_draft_step() -> None:
+    """Regression (batch 1 through `generate_batch`): a warm-up whose text ended at its prefill
+    left one draft call measured, a 12-token prefill of 22 ms, and the tuner read it as the
+    draft step (8 ms): drafting looked slower than plain decoding for a whole text."""
+    tuner = AdaptiveK(4)
+    tuner.record_feed(12, 0.022)
+    assert tuner.draft_step is None
+    tuner.update(2, 2, 2 * 0.008, 2, 0.022)
+    assert tuner.draft_step == pytest.approx(0.008)
