@@ -343,11 +343,17 @@ def test_costs_are_compared_at_the_rows_a_batch_has_now() -> None:
 
 
 def test_a_measured_prefill_is_not_read_as_the_draft_step() -> None:
-    """Regression (batch 1 through `generate_batch`): a warm-up whose text ended at its prefill
-    left one draft call measured, a 12-token prefill of 22 ms, and the tuner read it as the
-    draft step (8 ms): drafting looked slower than plain decoding for a whole text."""
+    """Regressions: (batch 1 through `generate_batch`) a warm-up whose text ended at its
+    prefill left one draft call measured, a 12-token prefill of 22 ms, read as the draft step
+    (8 ms): drafting looked slower than plain decoding for a whole text; (batch 8) short
+    prompts' prefills, 4 tokens in 5 ms, priced a 4-row step (15 ms, each row with its past)
+    and adaptive K drafted at a loss, 0.77x. Steps and feeds are kept apart."""
     tuner = AdaptiveK(4)
     tuner.record_feed(12, 0.022)
     assert tuner.draft_step is None
     tuner.update(2, 2, 2 * 0.008, 2, 0.022)
     assert tuner.draft_step == pytest.approx(0.008)
+    tuner.update_batch(1, [(1, 1)] * 8, 0.020, 1, 0.030, rows=8, next_rows=4)
+    for _ in range(5):
+        tuner.record_feed(4, 0.005)
+    assert tuner.draft_step > 0.008  # between the 1-row and 8-row steps, not 5 ms

@@ -231,7 +231,7 @@ def test_adaptive_at_k0_defers_the_draft_prefill(concat_pair: Pair) -> None:
     live = [r for r in rows if r.reason is None]
     assert concat_pair.draft.calls == calls + 1 + 2  # the catch-up, then two drafting calls
     assert live and all(len(r.draft_fed) >= r.prompt_len for r in live)
-    assert tuner.fed  # the catch-up priced the next ones
+    assert tuner.feeds.mean  # the catch-up priced the next ones
     while decoder.live:
         decoder.step()
     for i, row in zip(ids, rows, strict=True):
