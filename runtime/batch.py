@@ -185,6 +185,8 @@ class BatchDecoder:
         self.totals.new_tokens += len(row.generated)
         row.counted = len(row.generated)
         self.slots[slot] = row
+        if self.tuner is not None:  # its next choice compares costs at the rows live now
+            self.tuner.rows = len(self.live)
         return row
 
     def release(self, row: BatchRow) -> None:
