@@ -25,15 +25,18 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=128, help="prompts in all (generations x B)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="adaptive K's largest draft length")
+    ap.add_argument("--chat", action="store_true",
+                    help="render each prompt through the chat template (longer prompts)")
     args = ap.parse_args()
     pair = Pair.load(args.pair)
     if pair.draft is None:
         raise SystemExit(f"{args.pair} has no draft model")
     prompts = (default_prompts() * (1 + args.prompts // len(default_prompts())))[:args.prompts]
     settings = {
-        "target-only": GenerationConfig(max_new_tokens=args.max_new_tokens, drafter="none"),
+        "target-only": GenerationConfig(max_new_tokens=args.max_new_tokens, drafter="none",
+                                        chat=args.chat),
         "adaptive": GenerationConfig(max_new_tokens=args.max_new_tokens, drafter="model",
-                                     num_draft_tokens=args.k, adaptive=True)}
+                                     num_draft_tokens=args.k, adaptive=True, chat=args.chat)}
     for cfg in settings.values():  # warm-up; the adaptive tuner's first batch of this size
         pair.generate_batch(prompts[:args.batch], cfg)
     totals = {name: {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "draft_calls": 0,
@@ -52,7 +55,8 @@ def main() -> None:
             t["drafting_rounds"] += sum(k > 0 for k in st.draft_lengths)
     gens = len(prompts) // args.batch
     print(f"{args.pair}, batch {args.batch}, {gens} generations of {args.max_new_tokens} "
-          "tokens, end to end (prefills included), interleaved:")
+          f"tokens, {'chat' if args.chat else 'plain'} prompts, end to end (prefills "
+          "included), interleaved:")
     base = totals["target-only"]["tokens"] / totals["target-only"]["seconds"]
     for name, t in totals.items():
         rate = t["tokens"] / t["seconds"]

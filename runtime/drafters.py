@@ -279,6 +279,7 @@ class AdaptiveK:
         self.probing = False  # the current k is a probe
         self._best_at_probe: int | None = None
         self._probes = 0
+        self._last_probe = 0  # rounds at the last probe
         self.catch_up = 0  # the most tokens a row's draft would feed before drafting
         self.catch_up_tokens = 0  # all rows' tokens a separate catch-up call would feed
         # Seconds of a draft call outside drafting (a prefill, a catch-up) by tokens fed (rows
@@ -324,6 +325,13 @@ class AdaptiveK:
             self.text_tokens = t if self.text_tokens is None else 0.7 * self.text_tokens + 0.3 * t
         self._tokens_now = 0.0
         self._text_start = self.rounds
+        cost, plain = self._catch_up_cost(), self.verify_cost(1)
+        if self.k == 0 and cost and plain:
+            # A probe up from k = 0 now would prefill every row's draft: it waits until that
+            # costs at most PROBE_SHARE of the rounds since the last probe (batch 8, chat
+            # prompts on a CPU: the first probe after the warm-up cost 0.5 s, 17 rounds).
+            self.next_probe = max(self.next_probe, self._last_probe + min(
+                int(cost / (self.PROBE_SHARE * plain)), self.MAX_COSTLY_PROBE_EVERY))
         if self.k == 0 and (self.text_rounds is None
                             or self.next_probe <= self.rounds + self.text_rounds):
             # A probe due during this text runs now, while catching up is cheap (later it
@@ -494,6 +502,7 @@ class AdaptiveK:
                 probe = best  # the catch-up would cost more than the probe can tell
             if probe != best:
                 self._best_at_probe, self.probing = best, True
+                self._last_probe = self.rounds
                 return probe
             self.next_probe = self.rounds + self.interval
         return best

@@ -357,3 +357,21 @@ def test_a_measured_prefill_is_not_read_as_the_draft_step() -> None:
     for _ in range(5):
         tuner.record_feed(4, 0.005)
     assert tuner.draft_step > 0.008  # between the 1-row and 8-row steps, not 5 ms
+
+
+def test_a_probe_that_would_prefill_every_row_waits_for_its_share() -> None:
+    """Regression (batch 8, chat prompts, end to end on a CPU): after the warm-up the first
+    probe up from k = 0 ran at the next generation's start and prefilled the draft for 8
+    prompts, 0.5 s (17 plain rounds), before probe spacing had measured any probe's cost."""
+
+    def tuner_at_plain(prefill_s: float) -> AdaptiveK:
+        tuner = AdaptiveK(4)
+        tuner.update_batch(2, [(2, 0)] * 8, 2 * 0.02, 2, 0.04, rows=8)  # drafting loses
+        for _ in range(60):
+            tuner.update_batch(0, [(0, 0)] * 8, 0.0, 0, 0.03, rows=8)
+        tuner.record_feed(40, prefill_s)
+        tuner.new_text(prefill=[40] * 8, rows=8)
+        return tuner
+
+    assert not tuner_at_plain(0.5 / 8).probing  # costs 17 plain rounds: not yet
+    assert tuner_at_plain(0.001).probing  # a GPU-like prefill: the probe runs
