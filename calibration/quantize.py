@@ -94,8 +94,12 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
     with staged_folder(out) as tmp:
         copy_pair(opts.pair, tmp)
         folder = tmp / Path(spec.path).parent
+        # The token ids a draft's logits cover are not the graph's: they stay as they are.
+        kept = {rel: (tmp / rel).read_bytes() for rel in (spec.vocab_ids,) if rel}
         shutil.rmtree(folder)
         folder.mkdir()
+        for rel, content in kept.items():
+            (tmp / rel).write_bytes(content)
         start = time.perf_counter()
         say(f"quantizing the {opts.model} with {opts.method}")
         run_isolated(opts.settings, opts.pair / spec.path, folder / "model.onnx", feeds, tmp)

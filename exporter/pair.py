@@ -444,9 +444,12 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
             and not _builder_writes(draft_precision, opts)) else None
         draft = _export_model(draft_src, draft_precision, "draft", opts, tmp, work,
                               fp32=reuse, say=say).spec
-        if draft.vocab_size != target.vocab_size:
-            raise ExportError(f"draft vocab_size {draft.vocab_size} != target vocab_size "
-                              f"{target.vocab_size}; the models cannot form a pair")
+        tokenizer_ids = 1 + max(sources.tokenizer_vocab(target_src.folder).values())
+        width = sources.padded_draft_vocab(target.vocab_size, draft.vocab_size, tokenizer_ids)
+        if width is not None:
+            say(f"the draft's vocabulary is padded to {width} ids, the target's to "
+                f"{target.vocab_size}: its logits cover the first {width}")
+            draft = _pad_draft_vocab(tmp, draft, target.vocab_size)
     tokenizer_files, template = sources.copy_tokenizer(target_src, tmp, opts.chat_template)
     bos, eos, pad = sources.special_tokens(target_src.folder,
                                            sources.read_config(target_src.folder))
@@ -469,6 +472,20 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
     return manifest
 
 
+def _pad_draft_vocab(tmp: Path, draft: ModelSpec, vocab_size: int) -> ModelSpec:
+    """The draft's spec in a pair of `vocab_size` ids when its own table is smaller
+    (`sources.padded_draft_vocab`): its logits map to ids 0..n-1 (`vocab_ids`, as a
+    reduced-vocabulary draft) and the ids past its table are fed to it as 0
+    (`input_vocab_size`)."""
+    import numpy as np
+
+    rel = "draft/vocab_ids.npy"
+    np.save(tmp / rel, np.arange(draft.vocab_size, dtype=np.int64), allow_pickle=False)
+    return dataclasses.replace(draft, files={**draft.files, rel: sha256_file(tmp / rel)},
+                               vocab_size=vocab_size, vocab_ids=rel,
+                               input_vocab_size=draft.vocab_size)
+
+
 def _validate(tmp: Path, target: ModelSpec, draft: ModelSpec | None,
               target_src: sources.Source, draft_src: sources.Source | None, provider: str
               ) -> tuple[ModelSpec, ModelSpec | None]:
@@ -478,7 +495,9 @@ def _validate(tmp: Path, target: ModelSpec, draft: ModelSpec | None,
 
     tok = Tokenizer.from_file(str(target_src.folder / "tokenizer.json"))
     text = tok.encode("Speculative decoding makes edge devices fast, and exact too.").ids
-    ids = validate.validation_ids(target.vocab_size, text)
+    # ids every model embeds (a padded draft's table may be the smaller)
+    ids = validate.validation_ids(min(spec.input_vocab_size or spec.vocab_size
+                                      for spec in (target, draft) if spec is not None), text)
     ref = validate.torch_logits(target_src.folder, ids)
     target = dataclasses.replace(target, validation=validate.validate_model(
         tmp, target, "target", ref, ids, provider=provider))

@@ -228,6 +228,36 @@ def check_same_vocab(target: Path, draft: Path) -> None:
     )
 
 
+def padded_draft_vocab(target_vocab: int, draft_vocab: int, tokenizer_ids: int) -> int | None:
+    """The draft's logits width where it differs from the target's by padding only, else None
+    (the same width).
+
+    One tokenizer, embedding tables padded to different sizes: Qwen2.5-0.5B/1.5B/3B have
+    151,936 rows, Qwen2.5-7B and larger 152,064, for 151,665 tokens. Such a draft pairs with
+    its target: its logits cover the ids below `draft_vocab` (the runtime reads them as a
+    reduced-vocabulary draft), and the target's ids past its table are fed to it as id 0.
+
+    Args:
+        target_vocab: the target's logits width (its config's vocab_size).
+        draft_vocab: the draft's.
+        tokenizer_ids: the ids the shared tokenizer produces (its largest id + 1).
+
+    Raises:
+        ExportError: the draft's table is larger than the target's, or lacks tokenizer ids.
+    """
+    if draft_vocab == target_vocab:
+        return None
+    if draft_vocab > target_vocab:
+        raise ExportError(f"the draft's vocabulary ({draft_vocab} ids) is larger than the "
+                          f"target's ({target_vocab}); pick a draft whose vocabulary is no "
+                          "larger than its target's")
+    if tokenizer_ids > draft_vocab:
+        raise ExportError(f"the tokenizer has ids up to {tokenizer_ids - 1} but the draft's "
+                          f"vocabulary only {draft_vocab}; these models do not share one "
+                          "vocabulary")
+    return draft_vocab
+
+
 def special_tokens(hf_dir: Path, config: dict[str, Any]) -> tuple[int | None, list[int],
                                                                   int | None]:
     """The bos id, the eos ids (config, generation_config.json and the tokenizer's eos token)

@@ -1052,6 +1052,7 @@ class OrtModel:
         next call on `cache`) and how many leading positions of them are not the caller's: 1
         when a one-token step ran as two rows (`two_row_steps`), else 0."""
         batch, new = tokens.shape
+        tokens = self._embeddable(tokens)
         lengths = cache.lengths
         total = int(lengths.max()) + new
         if total > cache.max_len:
@@ -1170,6 +1171,7 @@ class OrtModel:
                 "follow a past); export the pair with --graph concat")
         rows = np.asarray(rows, dtype=np.int64)
         new_lens = np.asarray(new_lens, dtype=np.int64)
+        tokens = self._embeddable(tokens)
         count, width = tokens.shape
         lengths = cache.lengths[rows]
         skip = 0
@@ -1272,6 +1274,16 @@ class OrtModel:
         self.session.run_with_iobinding(binding)
         kv.commit(rows, lengths, new_lens)
         return logits
+
+    def _embeddable(self, tokens: np.ndarray) -> np.ndarray:
+        """`tokens`, with the ids this model's embedding table lacks replaced by 0: a draft
+        padded to fewer rows than its target's vocabulary (`ModelSpec.input_vocab_size`) is
+        fed the target's tokens, which may lie past its table. Only its guesses depend on what
+        it is fed; the target checks every one."""
+        limit = self.spec.input_vocab_size
+        if limit is None or int(tokens.max(initial=0)) < limit:
+            return tokens
+        return np.where(tokens < limit, tokens, 0)
 
     def _positions(self, cache: KVCache, new: int) -> np.ndarray:
         return cache.lengths[:, None] + np.arange(new, dtype=np.int64)[None, :]

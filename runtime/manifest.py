@@ -97,6 +97,10 @@ class ModelSpec:
     logits_dtype: str = "float32"
     min_cache_len: int = 1  # e.g. the sliding window: KV buffers are never allocated shorter
     vocab_ids: str | None = None  # .npy of the token ids the logits cover (reduced-vocab draft)
+    # A draft whose embedding table has fewer rows than the target's vocabulary (Qwen2.5-0.5B's
+    # 151,936 beside Qwen2.5-7B's 152,064: the same tokenizer, padded differently): the ids at
+    # or above it are fed to it as id 0. Its guesses change, never the output (drafts only).
+    input_vocab_size: int | None = None
     validation: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
     head: HeadSpec | None = None  # the head split off the body, where the exporter split it
@@ -362,10 +366,19 @@ def _parse_model(r: _Reader, root: Path) -> ModelSpec:
         logits_dtype=r.choice("logits_dtype", KV_DTYPES),
         min_cache_len=r.int_in("min_cache_len", 1, 1 << 22, required=False, default=1),
         vocab_ids=_vocab_ids(r, root, files),
+        input_vocab_size=_input_vocab_size(r),
         validation=_free_form(r, "validation"),
         source=_free_form(r, "source"),
         head=_head(r, root, files),
     )
+
+
+def _input_vocab_size(r: _Reader) -> int | None:
+    value = r.get("input_vocab_size", (int, type(None)), required=False)
+    vocab = r.data["vocab_size"]  # read and checked before this
+    if value is not None and not 2 <= value <= vocab:
+        r.fail(r.key("input_vocab_size"), f"null or an integer in [2, {vocab}]", value)
+    return value  # type: ignore[no-any-return]
 
 
 def _head(r: _Reader, root: Path, files: dict[str, str]) -> HeadSpec | None:
@@ -516,6 +529,9 @@ def parse_manifest(root: Path, doc: Any, *, file: Path | None = None) -> PairMan
                 f"{file}: models.{name}.vocab_size is {spec.vocab_size} but the pair's vocab_size "
                 f"is {vocab}; draft and target must share one vocabulary"
             )
+    if target.input_vocab_size is not None:  # the target must see every token as it is
+        raise ManifestError(f"{file}: models.target.input_vocab_size is set; only a draft may "
+                            "have a smaller embedding table: re-export the pair")
     special = r.sub("special_tokens")
     assert special is not None
     eos_raw = special.get("eos", list)
