@@ -44,6 +44,11 @@ class Shape:
     tie_word_embeddings: bool
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    tokenizer_size: int | None = None  # the tokenizer's ids (None: vocab_size); the table pads
+
+    @property
+    def tokens(self) -> int:
+        return self.tokenizer_size or self.vocab_size
 
     @property
     def head_dim(self) -> int:
@@ -62,16 +67,26 @@ class Shape:
 
 
 SHAPES: dict[str, Shape] = {
-    # Qwen/Qwen2.5-1.5B-Instruct and Qwen/Qwen2.5-0.5B-Instruct config.json
-    "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 151936, 32768, True, 1e6),
-    "qwen2.5-0.5b": Shape("qwen2", 896, 4864, 24, 14, 2, 151936, 32768, True, 1e6),
+    # Qwen/Qwen2.5-1.5B-Instruct and Qwen/Qwen2.5-0.5B-Instruct config.json; one tokenizer of
+    # 151,665 ids for the family, tables padded to 151,936 (<= 3B) or 152,064 (7B and up)
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 151936, 32768, True, 1e6,
+                          tokenizer_size=151665),
+    "qwen2.5-0.5b": Shape("qwen2", 896, 4864, 24, 14, 2, 151936, 32768, True, 1e6,
+                          tokenizer_size=151665),
+    # Qwen/Qwen2.5-7B-Instruct config.json: an edge target of the Jetson AGX Orin class, whose
+    # decode step on an H200 reads 15 GB, so bound by memory, with Qwen2.5-0.5B as its draft
+    "qwen2.5-7b": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 32768, False, 1e6,
+                        tokenizer_size=151665),
     # meta-llama/Llama-3.2-1B-Instruct config.json (its llama3 rope scaling left out: random
     # weights do not care, and the cost of a step does not change)
     "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 128256, 131072, True, 5e5, 1e-5),
     # HuggingFaceTB/SmolLM2-135M-Instruct (for the arithmetic; the real weights come from GGUF)
     "smollm2-135m": Shape("llama", 576, 1536, 30, 9, 3, 49152, 8192, True, 1e5, 1e-5),
     # for the CPU smoke run of scripts/gpu_check.sh
-    "tiny": Shape("llama", 64, 128, 2, 4, 2, 512, 512, False, 1e4, 1e-5),
+    "tiny": Shape("llama", 64, 128, 2, 4, 2, 512, 512, False, 1e4, 1e-5, tokenizer_size=400),
+    # its draft, padded to fewer ids (as Qwen2.5-0.5B beside Qwen2.5-7B)
+    "tiny-draft": Shape("llama", 64, 128, 1, 4, 2, 448, 512, False, 1e4, 1e-5,
+                        tokenizer_size=400),
 }
 
 
@@ -116,8 +131,8 @@ def make_shaped_model(name: str, folder: Path, *, seed: int = 0, device: str | N
     if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
         return folder
     s = SHAPES[name]
-    make_word_tokenizer(folder, s.vocab_size)
-    fields = {k: v for k, v in asdict(s).items() if k != "model_type"}
+    make_word_tokenizer(folder, s.tokens)
+    fields = {k: v for k, v in asdict(s).items() if k not in ("model_type", "tokenizer_size")}
     config = AutoConfig.for_model(s.model_type, bos_token_id=0, eos_token_id=2, pad_token_id=0,
                                   architectures=[{"llama": "LlamaForCausalLM",
                                                   "qwen2": "Qwen2ForCausalLM"}[s.model_type]],

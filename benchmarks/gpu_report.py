@@ -230,7 +230,7 @@ def batching_markdown(data: dict[str, Any], smoke: bool) -> list[str]:
         out += ["| B | target-only tok/s | verify(B×(K+1))/verify(B×1) | draft step / verify(B×1) "
                 "| predicted speed-up (K: reference acceptance) | rows == batch 1 |",
                 "|---|---|---|---|---|---|"]
-        for batch, r in shaped.get("rows", {}).items():
+        for batch, r in sorted(shaped.get("rows", {}).items(), key=lambda kv: int(kv[0])):
             costs = r.get("costs", {})
             ratio = ", ".join(f"{k} {v:.2f}" for k, v in r.get("verify_ratio", {}).items())
             draft = (costs["draft_step"] / costs["verify_1"]

@@ -105,7 +105,7 @@ elif [ $MODE = gpu ]; then
   run_phase build 170     # exports still running at the end go on in the background
   run_phase check 60      # also with CUDA graphs on
   run_phase bench 120     # waits (bounded) for pairs still exporting
-  run_phase batch 60      # issue 19: B = 1..32 on the concat-form reference pair
+  run_phase batch 90      # issue 19: B = 1..32 on the concat reference pair, then the 7B costs
   run_phase hf 45
 else
   run_phase env 20

@@ -1,0 +1,46 @@
+"""`scripts/gpu_check.sh --cpu-smoke`: the whole GPU check, every phase, on the CPU.
+
+The GPU machine is lent to few sessions, for 15 minutes, so the check must work the first time
+it gets there. This runs the same phases with the tiny fixture pairs (about 30 s) and checks the
+report: the exactness bars passed, the batched rows equal their batch-1 runs, and the shaped
+batched pair (a separate draft whose table is padded to fewer ids than the target's, as
+Qwen2.5-0.5B beside Qwen2.5-7B) was built and measured.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.export,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs [export]"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_smoke_runs_every_phase(tmp_path: Path, fixtures_dir: Path) -> None:
+    env = dict(os.environ, OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"),
+               SPECEDGE_FIXTURES=str(fixtures_dir), GPU_CHECK_BUDGET_S="240")
+    run = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu-smoke"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    phases = (tmp_path / "work" / "parts" / "phases.tsv").read_text().split("\n")
+    codes = {line.split("\t")[0]: line.split("\t")[1] for line in phases if line}
+    assert codes == {p: "0" for p in ("env", "build", "check", "bench", "batch", "hf")}, codes
+    data = json.loads((tmp_path / "out" / "gpu_cpu_smoke.json").read_text())
+    bars = {b["bar"]: b["passed"] for b in data["bars"]}
+    exact = [bar for bar in bars if "== target-only" in bar or "rows == their batch-1" in bar]
+    assert exact and all(bars[bar] for bar in exact), bars
+    manifest = json.loads((tmp_path / "work" / "pairs" / "tiny-concat" / "specedge.json")
+                          .read_text())
+    assert manifest["models"]["draft"]["input_vocab_size"] < manifest["vocab_size"]
+    shaped = data["batch-tiny"]["rows"]
+    assert shaped and all(r["target-only"]["equal_to_batch1"] == int(b)
+                          for b, r in shaped.items())
