@@ -72,6 +72,9 @@ class ExportOptions:
             builder's graph with its attention rewritten, `concat_form`) or "concat-standard"
             (the torch export, standard ops only: what TensorRT takes; the only concat form of
             families the builder lacks). Both concat forms are "concat" in the manifest.
+        draft_graph: the draft's graph form where it differs from `graph` (None: `graph`).
+            A gqa-shared draft beside a concat target batches too: its steps feed one token
+            per row, which GroupQueryAttention takes, in place (`OrtModel._rows_step_shared`).
         chat_template: a jinja file copied into the pair as chat_template.jinja, in place of
             the source's (HF folder or GGUF metadata).
         drafter: the pair's default drafter (None: "model" with a draft model, else "ngram").
@@ -89,6 +92,7 @@ class ExportOptions:
     validate: bool = True
     builder_options: dict[str, str] = field(default_factory=dict)
     graph: str | None = None
+    draft_graph: str | None = None
     chat_template: Path | None = None
     drafter: str | None = None
     adaptive: bool | None = None
@@ -96,8 +100,9 @@ class ExportOptions:
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:
             raise InputError(f"drafter {self.drafter!r}: use one of {', '.join(DRAFTERS)}")
-        if self.graph is not None and self.graph not in GRAPHS:
-            raise InputError(f"--graph {self.graph!r}: use auto, {', '.join(GRAPHS)}")
+        for key, graph in (("graph", self.graph), ("draft-graph", self.draft_graph)):
+            if graph is not None and graph not in GRAPHS:
+                raise InputError(f"--{key} {graph!r}: use auto, {', '.join(GRAPHS)}")
         for key, value in (("precision", self.precision), ("draft_precision",
                                                             self.draft_precision)):
             if value is not None and value not in PRECISIONS:
@@ -438,11 +443,13 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
     if draft_src is not None and draft_precision is not None:
         say(f"exporting the draft ({draft_precision})")
         # A self-draft of an fp32 target is quantized from the target's files.
+        draft_opts = dataclasses.replace(opts, graph=opts.draft_graph or opts.graph)
         reuse = built.graph if (
             draft_src is target_src and target.precision == "fp32"
+            and draft_opts.graph == opts.graph
             and draft_precision in quantize.EXPORT_METHODS
             and not _builder_writes(draft_precision, opts)) else None
-        draft = _export_model(draft_src, draft_precision, "draft", opts, tmp, work,
+        draft = _export_model(draft_src, draft_precision, "draft", draft_opts, tmp, work,
                               fp32=reuse, say=say).spec
         tokenizer_ids = 1 + max(sources.tokenizer_vocab(target_src.folder).values())
         width = sources.padded_draft_vocab(target.vocab_size, draft.vocab_size, tokenizer_ids)

@@ -1164,13 +1164,10 @@ class OrtModel:
         """The run of `forward_rows`: the logits where the run left them (device OrtValue, or
         host array), which positions were fed `[len(rows), width]` bool, and how many leading
         positions are not the caller's (1 when a one-token step ran as two rows, as `_step`)."""
-        if self.spec.graph != "concat":
-            raise InputError(
-                f"{self.spec.path}: batched speculative decoding needs a concat-form graph (ONNX "
-                "Runtime's GroupQueryAttention, CPU and CUDA, takes one row when several tokens "
-                "follow a past); export the pair with --graph concat")
         rows = np.asarray(rows, dtype=np.int64)
         new_lens = np.asarray(new_lens, dtype=np.int64)
+        if self.spec.graph == "gqa-shared":
+            return self._rows_step_shared(cache, rows, np.asarray(tokens, np.int64), new_lens)
         tokens = self._embeddable(tokens)
         count, width = tokens.shape
         lengths = cache.lengths[rows]
@@ -1213,6 +1210,102 @@ class OrtModel:
         cache.lengths[rows] = lengths + new_lens
         self.calls += 1
         return logits, np.arange(width)[None, :] < new_lens[:, None], skip
+
+    def _rows_step_shared(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
+                          new_lens: np.ndarray) -> tuple[ort.OrtValue | np.ndarray, np.ndarray,
+                                                         int]:
+        """`_rows_step` on the in-place (gqa-shared) form, in the calls GroupQueryAttention
+        takes (several rows with a past: one new token each; one row: any number):
+
+        - one token per row: one call over every row of the cache, the rows not in `rows` fed
+          a dummy token that their length then drops again (the next token they are fed
+          overwrites its keys and values);
+        - a row fed several tokens: a call of its own on views of its slice of the buffers,
+          or, where fewer calls do it, a one-token call over the cache per position.
+
+        Their keys and values go in place: no row's past is gathered or copied. This is how a
+        batch's draft steps run on a gqa-shared draft beside a concat-form target (batched
+        verification needs the concat form); on a GPU its one-token calls are the batched
+        decode steps that CUDA graphs replay (`SessionConfig.cuda_graph`)."""
+        count, width = tokens.shape
+        everyone = count == cache.batch and bool((rows == np.arange(count)).all())
+        if cache.batch == 1 or (everyone and bool((new_lens == width).all())
+                                and (width == 1 or not cache.lengths.any())):
+            # What `forward` does: one call (a batch's first prompts, all of one length).
+            raw, skip = self._step(cache, tokens)
+            if self.split is not None:
+                raw = self.split.logits(_host(raw))
+            # (`skip`: a re-fed leading position, as in the concat form's `valid`)
+            return raw, np.arange(width + skip)[None, :] < (new_lens + skip)[:, None], skip
+        valid = np.arange(width)[None, :] < new_lens[:, None]
+        wide = np.flatnonzero(new_lens > 1)
+        single = np.flatnonzero(new_lens == 1)
+        out = np.zeros((count, width, self.logits_size), _NP_DTYPES[self.spec.logits_dtype])
+        if len(wide) + (len(single) > 0) <= width:
+            for i in wide:
+                n = int(new_lens[i])
+                out[i, :n] = self._run_row(cache, int(rows[i]), tokens[i:i + 1, :n])[0]
+            if len(single):
+                out[single, 0] = self._one_each(cache, rows[single], tokens[single, 0])
+        else:
+            for j in range(width):
+                take = np.flatnonzero(new_lens > j)
+                out[take, j] = self._one_each(cache, rows[take], tokens[take, j])
+        return out, valid, 0
+
+    def _one_each(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """One token for each of `rows` (distinct) in one call over every row of the cache;
+        returns their logits `[len(rows), vocab]` (host)."""
+        saved = cache.lengths.copy()
+        feed = np.zeros((cache.batch, 1), np.int64)
+        feed[rows, 0] = tokens
+        raw, skip = self._step(cache, feed)
+        picked = _host(raw)[rows, skip:skip + 1]
+        logits = (self.split.logits(picked) if self.split is not None else picked.copy())[:, 0]
+        idle = np.ones(cache.batch, bool)
+        idle[rows] = False
+        cache.lengths[idle] = saved[idle]
+        return logits
+
+    def _run_row(self, cache: KVCache, row: int, tokens: np.ndarray) -> np.ndarray:
+        """Feed `tokens` `[1, n]` to row `row` of a gqa-shared cache alone, bound to views of
+        that row's slice of the buffers (by address, no copy); its logits `[1, n, vocab]`."""
+        tokens = self._embeddable(tokens)
+        start, new = int(cache.lengths[row]), tokens.shape[1]
+        if start + new > cache.max_len:
+            raise InputError(f"{self.name} model: {start + new} tokens exceed the context of "
+                             f"{cache.max_len}")
+        spec, cfg = self.spec, self.config
+        dtype = _NP_DTYPES[spec.kv.dtype]
+        shape = [1, spec.num_kv_heads, cache.max_len, spec.head_dim]
+        offset = row * math.prod(shape) * np.dtype(dtype).itemsize
+        binding = self.session.io_binding()
+        for (past, present), value in zip(self._kv_names, cache.values, strict=True):
+            ptr = value.data_ptr() + offset
+            binding.bind_input(past, cfg.device, cfg.device_id, np.dtype(dtype), shape, ptr)
+            binding.bind_output(present, cfg.device, cfg.device_id, np.dtype(dtype), shape, ptr)
+        binding.bind_cpu_input(spec.input_ids, np.ascontiguousarray(tokens, dtype=np.int64))
+        binding.bind_cpu_input(spec.attention_mask, np.ones((1, start + new), np.int64))
+        if spec.position_ids:
+            binding.bind_cpu_input(spec.position_ids,
+                                   (start + np.arange(new, dtype=np.int64))[None, :])
+        binding.bind_output(self._out[0], cfg.device, cfg.device_id)  # logits, or hidden
+        try:
+            self.session.run_with_iobinding(binding, _NO_GRAPH_OPTIONS if cfg.cuda_graph
+                                            else None)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ModelError(f"the {self.name} model ({spec.path}) failed to run "
+                             f"({first[:300]}); re-export the pair") from None
+        logits = _host(binding.get_outputs()[len(self._kv_names)])
+        if self.split is not None:
+            logits = self.split.logits(logits)
+        if not math.isfinite(float(logits.sum(dtype=np.float64))):
+            raise self._not_finite()
+        cache.fed[row, start:start + new] = tokens[0]
+        cache.lengths[row] = start + new
+        self.calls += 1
+        return logits
 
     def _run_host_kv(self, cache: KVCache, rows: np.ndarray, feeds: dict[str, Any],
                      lengths: np.ndarray, new_lens: np.ndarray, past: int, width: int

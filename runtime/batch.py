@@ -24,7 +24,8 @@ by `AdaptiveK` from the round's aggregate acceptance and the costs measured at t
 size, so it backs off to k = 0 (batched target-only) where verifying batch x (k + 1) tokens costs
 more than the drafts save.
 
-Needs concat-form graphs for both models (`OrtModel.forward_rows`).
+Needs a concat-form target (`OrtModel.forward_rows`: batched verification); the draft may be
+concat or gqa-shared, whose steps feed one token per row in place (`--draft-graph gqa-shared`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,11 @@ class BatchDecoder:
                  tuner: AdaptiveK | None = None) -> None:
         if capacity < 1:
             raise InputError(f"batch capacity must be >= 1, got {capacity}")
+        if target.spec.graph != "concat":
+            raise InputError(
+                f"{target.spec.path}: batched speculative decoding needs a concat-form target "
+                "(ONNX Runtime's GroupQueryAttention, CPU and CUDA, takes one row when several "
+                "tokens follow a past); export the pair with --graph concat")
         self.target, self.plan = target, plan
         self.draft = draft if plan.uses_draft_model else None
         if plan.uses_draft_model and draft is None:

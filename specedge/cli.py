@@ -442,6 +442,9 @@ def main(verbose: int) -> None:
               type=click.Choice(("auto", *GRAPHS)),
               help="Graph form; concat is needed for batched speculative decoding "
                    "(concat-standard: standard ops only, for TensorRT).")
+@click.option("--draft-graph", default=None, type=click.Choice(GRAPHS),
+              help="The draft's graph form, where it differs from --graph (a gqa-shared draft "
+                   "beside a concat target also batches, its steps in place).")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with torch.")
 @click.option("--calibrate", "calibrate_method", default=None, type=click.Choice(METHODS),
               help="Then quantize the (fp32) target with this method, as `specedge quantize`.")
@@ -451,7 +454,7 @@ def main(verbose: int) -> None:
 @clean_errors
 def export(target: str, output: Path, draft: str | None, precision: str | None,
            draft_precision: str | None, provider: str, num_draft_tokens: int | None,
-           chat_template: Path | None, graph: str, no_validate: bool,
+           chat_template: Path | None, graph: str, draft_graph: str | None, no_validate: bool,
            calibrate_method: str | None, data_file: Path | None, force: bool) -> None:
     """Export TARGET (HF folder, hub id or .gguf) and a draft into a validated pair folder.
 
@@ -469,6 +472,7 @@ def export(target: str, output: Path, draft: str | None, precision: str | None,
         "draft_precision": draft_precision, "provider": provider,
         "num_draft_tokens": 3 if num_draft_tokens is None else num_draft_tokens, "force": force,
         "validate": not no_validate, "graph": None if graph == "auto" else graph,
+        "draft_graph": draft_graph,
         "chat_template": chat_template, **picked})
     if calibrate_method and opts.precision != "fp32":
         raise InputError("--calibrate quantizes an fp32 target: use --precision fp32")

@@ -201,6 +201,31 @@ def test_fp16_concat_for_cuda_decodes_batches_on_cpu(work: Path) -> None:
         assert row.tokens == alone.tokens
 
 
+def test_concat_target_with_an_in_place_draft(work: Path) -> None:
+    """`--graph concat --draft-graph gqa-shared`: batched verification in the concat form, the
+    draft's batched steps in place (one token per row); batched rows equal their batch-1 runs."""
+    from specedge.exporter.tiny import make_tiny_model
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    hf = work / "llama-mixed"
+    if not (hf / "config.json").is_file():
+        make_tiny_model("llama", hf, seed=6)
+    report = _export(hf, work / "mixed", draft_precision="int4", graph="concat",
+                     draft_graph="gqa-shared")
+    draft = report.manifest.draft
+    assert draft is not None and (report.manifest.target.graph, draft.graph) == (
+        "concat", "gqa-shared")
+    pair = Pair.load(report.folder)
+    prompts = ["The quick brown fox", "Edge", "a b c d e f g"]
+    batched = pair.generate_batch(prompts, GenerationConfig(
+        max_new_tokens=16, drafter="model", num_draft_tokens=3, adaptive=False))
+    for prompt, row in zip(prompts, batched.results, strict=True):
+        alone = pair.generate(prompt, GenerationConfig(max_new_tokens=16, drafter="none"))
+        assert row.tokens == alone.tokens
+    with pytest.raises(SpecEdgeError, match="--draft-graph"):
+        _export(hf, work / "bad", draft_graph="tree")
+
+
 def test_graph_option_is_checked(tmp_path: Path, work: Path) -> None:
     from specedge.exporter.tiny import make_tiny_model
 
