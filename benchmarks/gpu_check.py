@@ -248,11 +248,12 @@ def all_export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[s
         return [("tiny", out, ("tiny",), spec + [str(hf / "tiny"), "-o", str(out),
                                                  "--draft-precision", "int4", "--no-validate",
                                                  "--force"]),
-                # as the GPU's batched shaped pair: a separate draft, its table padded smaller
+                # as the GPU's batched shaped pair: a separate draft, its table padded smaller,
+                # in place beside a concat target
                 ("tiny-concat", concat, ("tiny", "tiny-draft"),
                  spec + [str(hf / "tiny"), "--draft", str(hf / "tiny-draft"), "-o",
                          str(concat), "--draft-precision", "int4", "--graph", "concat",
-                         "--no-validate", "--force"])]
+                         "--draft-graph", "gqa-shared", "--no-validate", "--force"])]
     gpu = ["--provider", "cuda", "--precision", "fp16", "--draft-precision", "int4",
            "--no-validate", "--force"]
     p = {n: w / "pairs" / n for n in ("ref-cuda", "ref-cpu", "qwen2.5-1.5b", "llama-3.2-1b",
@@ -277,12 +278,14 @@ def all_export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[s
          spec + [str(hf / "smollm2"), "-o", str(p["ref-concat"]), *gpu, "--graph", "concat"]),
         # issue 19's realistic pair for batching, costs only (random weights): a Qwen2.5-7B-
         # shaped target (15 GB a step, bound by memory) with the Qwen2.5-0.5B-shaped draft
-        # (its table padded to 151,936 ids, the target's to 152,064). Last, to delay no other;
+        # (its table padded to 151,936 ids, the target's to 152,064). The draft in place
+        # (gqa-shared): its batched steps are what CUDA graphs replay. Last, to delay no other;
         # its 15 GB source goes once the pair is written.
         ("qwen2.5-7b-concat", p["qwen2.5-7b-concat"], ("qwen2.5-7b", "qwen2.5-0.5b"),
          ["sh", "-c", '"$@" && rm -rf -- "$0"', str(hf / "qwen2.5-7b"),
           *spec, str(hf / "qwen2.5-7b"), "--draft", str(hf / "qwen2.5-0.5b"), "-o",
-          str(p["qwen2.5-7b-concat"]), *gpu, "--graph", "concat"]),
+          str(p["qwen2.5-7b-concat"]), *gpu, "--graph", "concat", "--draft-graph",
+          "gqa-shared"]),
     ]
 
 
@@ -813,7 +816,7 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
     """Aggregate tok/s of batched target-only, fixed K and adaptive K at each B (interleaved on
     the same batch), greedy rows against batch-1 target-only, and verify(B x (K+1)) /
     verify(B x 1)."""
-    from specedge.runtime.batch_bench import measure_batch_costs
+    from specedge.runtime.batch_bench import measure_batch_costs, time_rows_call
     from specedge.runtime.pair import GenerationConfig
 
     # The KV cache on the device (the GPU default); the CPU smoke runs that same code path.
@@ -837,6 +840,7 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
                                                 num_draft_tokens=max(plan.batch_ks),
                                                 adaptive=True)
     run_batch(pair, ids[:2], settings[list(settings)[-1]])  # warm-up
+    graphed = None if info.real_weights else graphed_draft(plan, pair)
     alone: list[list[int]] = []  # batch-1 target-only outputs, the exactness reference
     outputs: dict[tuple[int, str], list[list[int]]] = {}
     # A shaped pair is there for the bar at B=8: that first.
@@ -858,6 +862,9 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
                           "equal_to_batch1": sum(o == a for o, a in zip(outs, alone,
                                                                         strict=False))}
         costs = measure_batch_costs(pair, batch, plan.batch_ks, reps=3 if plan.smoke else 5)
+        if graphed is not None:  # warm-up and capture runs first: reps to spare
+            costs["draft_step_graph"] = time_rows_call(graphed, batch, 1, pair.manifest.vocab_size,
+                                                       reps=5 if plan.smoke else 9)
         row["costs"] = costs
         row["verify_ratio"] = {f"K={k}": costs[f"verify_{k + 1}"] / costs["verify_1"]
                                for k in plan.batch_ks if f"verify_{k + 1}" in costs}
@@ -885,6 +892,22 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
                     "equal_to_device_kv": outs == outputs[(batch, label)]}
         print(f"batch {info.name} B={batch}, KV cache on the host: {result['host_kv']}")
     write_part(plan, name, result)
+
+
+def graphed_draft(plan: Plan, pair: Any) -> Any:
+    """The pair's draft loaded again with CUDA graphs (on the CPU smoke: fixed buffers, the same
+    steps without the capture), where it is gqa-shared: its batched steps, one token per row
+    over the whole cache, replay a captured graph. None for a concat-form draft."""
+    from specedge.runtime.pair import load_model
+
+    spec = pair.manifest.draft
+    if spec is None or spec.graph != "gqa-shared":
+        return None
+    field = "fixed_buffers" if plan.smoke else "cuda_graph"
+    model, _ = load_model(pair.manifest, "draft",
+                          dataclasses.replace(pair.draft.config, **{field: True}),
+                          verify_hashes=False)
+    return model
 
 
 # ----------------------------------------------------------------------------- transformers

@@ -117,11 +117,15 @@ def _margins(variant: dict[str, Any]) -> str:
             + ", ".join(f"{m:.3g}" for m in margins) + ")") if margins else ""
 
 
+DRAFT_STEPS = {"draft_step": "", "draft_step_graph": ", draft on CUDA graphs"}
+
+
 def batch_predicted(data: dict[str, Any], name: str) -> list[dict[str, Any]]:
     """Batched speed-ups predicted for pair `name` from its costs at each B and the reference
     pair's acceptance at that B and K: (1 + K x acceptance) x verify(B x 1) /
     (K x draft_step(B) + verify(B x (K+1))) (tokens per round per row, accepted drafts plus the
-    corrected or bonus token, over the cost of a round against a target-only step)."""
+    corrected or bonus token, over the cost of a round against a target-only step). Once per
+    draft step measured: plain runs, and replayed from CUDA graphs (a gqa-shared draft)."""
     ref = data.get("batch-reference", {}).get("rows", {})
     rows = []
     for batch, r in data.get(f"batch-{name}", {}).get("rows", {}).items():
@@ -130,13 +134,15 @@ def batch_predicted(data: dict[str, Any], name: str) -> list[dict[str, Any]]:
             if not label.startswith("K=") or not isinstance(v, dict):
                 continue
             k = int(label[2:])
-            verify, step = costs.get(f"verify_{k + 1}"), costs.get("draft_step")
-            if verify is None or step is None or not costs.get("verify_1"):
-                continue
-            rate = v.get("acceptance") or 0.0
-            rows.append({"batch": int(batch), "k": k, "reference_acceptance": rate,
-                         "predicted_speedup": (1 + k * rate) * costs["verify_1"]
-                         / (k * step + verify)})
+            for key, how in DRAFT_STEPS.items():
+                verify, step = costs.get(f"verify_{k + 1}"), costs.get(key)
+                if verify is None or step is None or not costs.get("verify_1"):
+                    continue
+                rate = v.get("acceptance") or 0.0
+                rows.append({"batch": int(batch), "k": k, "reference_acceptance": rate,
+                             "draft": how,
+                             "predicted_speedup": (1 + k * rate) * costs["verify_1"]
+                             / (k * step + verify)})
     return rows
 
 
@@ -170,7 +176,8 @@ def batch_bars(data: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"bar": f"batched speculative >= 1.3x batched target-only at B=8, {name} "
                            "(predicted: its costs x the reference pair's acceptance)",
                     "measured": f"{best['predicted_speedup']:.2f}x at K={best['k']} "
-                                f"(acceptance {best['reference_acceptance']:.2f})" if best
+                                f"(acceptance {best['reference_acceptance']:.2f}"
+                                f"{best['draft']})" if best
                                 else data.get(f"batch-{name}", {}).get("error", "not measured"),
                     "passed": None if best is None else best["predicted_speedup"] >= 1.3})
     return out
@@ -228,19 +235,20 @@ def batching_markdown(data: dict[str, Any], smoke: bool) -> list[str]:
             continue
         predicted = batch_predicted(data, name)
         out += ["| B | target-only tok/s | verify(B×(K+1))/verify(B×1) | draft step / verify(B×1) "
-                "| predicted speed-up (K: reference acceptance) | rows == batch 1 |",
+                "(plain; CUDA graphs) | predicted speed-up (K: reference acceptance) | "
+                "rows == batch 1 |",
                 "|---|---|---|---|---|---|"]
         for batch, r in sorted(shaped.get("rows", {}).items(), key=lambda kv: int(kv[0])):
             costs = r.get("costs", {})
             ratio = ", ".join(f"{k} {v:.2f}" for k, v in r.get("verify_ratio", {}).items())
-            draft = (costs["draft_step"] / costs["verify_1"]
-                     if costs.get("draft_step") and costs.get("verify_1") else float("nan"))
+            draft = "; ".join(_f(costs[key] / costs["verify_1"], ".2f") for key in DRAFT_STEPS
+                              if costs.get(key) and costs.get("verify_1")) or "–"
             pred = ", ".join(f"K={p['k']} {p['predicted_speedup']:.2f}x "
-                             f"({p['reference_acceptance']:.2f})"
+                             f"({p['reference_acceptance']:.2f}{p['draft']})"
                              for p in predicted if p["batch"] == int(batch))
             base = r.get("target-only", {})
             out.append(f"| {batch} | {_f(base.get('tokens_per_s'))} | {ratio} | "
-                       f"{_f(draft, '.2f')} | {pred or '–'} | "
+                       f"{draft} | {pred or '–'} | "
                        f"{base.get('equal_to_batch1', '–')}/{batch} |")
         out += [f"- {n}" for n in shaped.get("notes", [])]
     if smoke:

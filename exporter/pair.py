@@ -72,9 +72,13 @@ class ExportOptions:
             builder's graph with its attention rewritten, `concat_form`) or "concat-standard"
             (the torch export, standard ops only: what TensorRT takes; the only concat form of
             families the builder lacks). Both concat forms are "concat" in the manifest.
-        draft_graph: the draft's graph form where it differs from `graph` (None: `graph`).
-            A gqa-shared draft beside a concat target batches too: its steps feed one token
-            per row, which GroupQueryAttention takes, in place (`OrtModel._rows_step_shared`).
+        draft_graph: the draft's graph form where it differs from `graph` (None: `graph`). A
+            gqa-shared draft beside a concat target batches: its steps feed one token per row,
+            which GroupQueryAttention takes, in place (`OrtModel._rows_step_shared`; measured
+            cheaper, docs/results/batching.md, session 14). Not the default beside
+            `graph="concat"`: the builder's GroupQueryAttention graph refuses some configs that
+            the rewritten concat form takes (a tiny Phi-3 with partial rotary: its cos_cache
+            check), and a self-draft then needs an fp32 build of its own.
         chat_template: a jinja file copied into the pair as chat_template.jinja, in place of
             the source's (HF folder or GGUF metadata).
         drafter: the pair's default drafter (None: "model" with a draft model, else "ngram").

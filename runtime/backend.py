@@ -1217,11 +1217,11 @@ class OrtModel:
         """`_rows_step` on the in-place (gqa-shared) form, in the calls GroupQueryAttention
         takes (several rows with a past: one new token each; one row: any number):
 
-        - one token per row: one call over every row of the cache, the rows not in `rows` fed
-          a dummy token that their length then drops again (the next token they are fed
-          overwrites its keys and values);
+        - one token per row: one call over the cache's rows (on the CPU, over each run of
+          neighbouring rows: `_one_each`), the rows not in `rows` fed a dummy token that their
+          length then drops again (the next token they are fed overwrites its keys and values);
         - a row fed several tokens: a call of its own on views of its slice of the buffers,
-          or, where fewer calls do it, a one-token call over the cache per position.
+          or, where fewer calls do it, a one-token call per position.
 
         Their keys and values go in place: no row's past is gathered or copied. This is how a
         batch's draft steps run on a gqa-shared draft beside a concat-form target (batched
@@ -1244,7 +1244,7 @@ class OrtModel:
         if len(wide) + (len(single) > 0) <= width:
             for i in wide:
                 n = int(new_lens[i])
-                out[i, :n] = self._run_row(cache, int(rows[i]), tokens[i:i + 1, :n])[0]
+                out[i, :n] = self._run_span(cache, int(rows[i]), tokens[i:i + 1, :n])[0]
             if len(single):
                 out[single, 0] = self._one_each(cache, rows[single], tokens[single, 0])
         else:
@@ -1254,41 +1254,65 @@ class OrtModel:
         return out, valid, 0
 
     def _one_each(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """One token for each of `rows` (distinct) in one call over every row of the cache;
-        returns their logits `[len(rows), vocab]` (host)."""
-        saved = cache.lengths.copy()
-        feed = np.zeros((cache.batch, 1), np.int64)
-        feed[rows, 0] = tokens
-        raw, skip = self._step(cache, feed)
-        picked = _host(raw)[rows, skip:skip + 1]
-        logits = (self.split.logits(picked) if self.split is not None else picked.copy())[:, 0]
-        idle = np.ones(cache.batch, bool)
-        idle[rows] = False
-        cache.lengths[idle] = saved[idle]
-        return logits
+        """One token for each of `rows` (distinct); returns their logits `[len(rows), vocab]`
+        (host). On a GPU one call over every row of the cache (the rows not in `rows` fed a
+        dummy whose length drops again): its cost is the launches, not the rows, and its shapes
+        never change, so a CUDA graph replays it. On the CPU, where each row costs its
+        arithmetic, a call per run of neighbouring rows (a one-row gap is fed a dummy: cheaper
+        than another call), on views of their slice of the buffers."""
+        order = np.argsort(rows)
+        rows, tokens = rows[order], tokens[order]
+        if self.config.device == "cpu" and cache._fixed is None:
+            breaks = np.flatnonzero(np.diff(rows) > 2) + 1
+            spans = [(int(run[0]), int(run[-1]) + 1) for run in np.split(rows, breaks)]
+        else:
+            spans = [(0, cache.batch)]
+        out = np.empty((len(rows), self.logits_size), _NP_DTYPES[self.spec.logits_dtype])
+        for lo, hi in spans:
+            saved = cache.lengths[lo:hi].copy()
+            feed = np.zeros((hi - lo, 1), np.int64)
+            inside = (rows >= lo) & (rows < hi)
+            feed[rows[inside] - lo, 0] = tokens[inside]
+            if (lo, hi) == (0, cache.batch):
+                raw, skip = self._step(cache, feed)
+                picked = _host(raw)[rows[inside], skip:skip + 1]
+                logits = self.split.logits(picked) if self.split is not None else picked.copy()
+            else:
+                logits = self._run_span(cache, lo, feed)[rows[inside] - lo]
+            out[inside] = logits[:, 0]
+            idle = np.ones(hi - lo, bool)
+            idle[rows[inside] - lo] = False
+            cache.lengths[lo:hi][idle] = saved[idle]
+        result = np.empty_like(out)
+        result[order] = out
+        return result
 
-    def _run_row(self, cache: KVCache, row: int, tokens: np.ndarray) -> np.ndarray:
-        """Feed `tokens` `[1, n]` to row `row` of a gqa-shared cache alone, bound to views of
-        that row's slice of the buffers (by address, no copy); its logits `[1, n, vocab]`."""
+    def _run_span(self, cache: KVCache, lo: int, tokens: np.ndarray) -> np.ndarray:
+        """Feed `tokens` `[n_rows, new]` to rows `lo .. lo + n_rows - 1` of a gqa-shared cache
+        alone, bound to views of their slice of the buffers (by address, no copy); their logits
+        `[n_rows, new, vocab]` (host). Several rows take one token each (GroupQueryAttention)."""
         tokens = self._embeddable(tokens)
-        start, new = int(cache.lengths[row]), tokens.shape[1]
-        if start + new > cache.max_len:
-            raise InputError(f"{self.name} model: {start + new} tokens exceed the context of "
+        count, new = tokens.shape
+        lengths = cache.lengths[lo:lo + count]
+        total = int(lengths.max()) + new
+        if total > cache.max_len:
+            raise InputError(f"{self.name} model: {total} tokens exceed the context of "
                              f"{cache.max_len}")
         spec, cfg = self.spec, self.config
-        dtype = _NP_DTYPES[spec.kv.dtype]
-        shape = [1, spec.num_kv_heads, cache.max_len, spec.head_dim]
-        offset = row * math.prod(shape) * np.dtype(dtype).itemsize
+        dtype = np.dtype(_NP_DTYPES[spec.kv.dtype])
+        row_shape = [spec.num_kv_heads, cache.max_len, spec.head_dim]
+        offset = lo * math.prod(row_shape) * dtype.itemsize
         binding = self.session.io_binding()
         for (past, present), value in zip(self._kv_names, cache.values, strict=True):
-            ptr = value.data_ptr() + offset
-            binding.bind_input(past, cfg.device, cfg.device_id, np.dtype(dtype), shape, ptr)
-            binding.bind_output(present, cfg.device, cfg.device_id, np.dtype(dtype), shape, ptr)
+            ptr, shape = value.data_ptr() + offset, [count, *row_shape]
+            binding.bind_input(past, cfg.device, cfg.device_id, dtype, shape, ptr)
+            binding.bind_output(present, cfg.device, cfg.device_id, dtype, shape, ptr)
         binding.bind_cpu_input(spec.input_ids, np.ascontiguousarray(tokens, dtype=np.int64))
-        binding.bind_cpu_input(spec.attention_mask, np.ones((1, start + new), np.int64))
+        binding.bind_cpu_input(spec.attention_mask, (
+            np.arange(total)[None, :] < (lengths + new)[:, None]).astype(np.int64))
         if spec.position_ids:
             binding.bind_cpu_input(spec.position_ids,
-                                   (start + np.arange(new, dtype=np.int64))[None, :])
+                                   lengths[:, None] + np.arange(new, dtype=np.int64)[None, :])
         binding.bind_output(self._out[0], cfg.device, cfg.device_id)  # logits, or hidden
         try:
             self.session.run_with_iobinding(binding, _NO_GRAPH_OPTIONS if cfg.cuda_graph
@@ -1300,10 +1324,9 @@ class OrtModel:
         logits = _host(binding.get_outputs()[len(self._kv_names)])
         if self.split is not None:
             logits = self.split.logits(logits)
-        if not math.isfinite(float(logits.sum(dtype=np.float64))):
-            raise self._not_finite()
-        cache.fed[row, start:start + new] = tokens[0]
-        cache.lengths[row] = start + new
+        for i in range(count):
+            cache.fed[lo + i, lengths[i]:lengths[i] + new] = tokens[i]
+        cache.lengths[lo:lo + count] = lengths + new
         self.calls += 1
         return logits
 

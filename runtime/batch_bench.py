@@ -91,30 +91,34 @@ def _settings(pair: Pair, opts: BatchBenchOptions) -> list[BatchSetting]:
     return out
 
 
+def time_rows_call(model: Any, batch: int, new: int, vocab: int, past_len: int = 128,
+                   reps: int = 7, seed: int = 0) -> float:
+    """Median seconds of one `forward_rows` call feeding `new` tokens to each of `batch` rows
+    after a past of `past_len` (random ids below `vocab`; rows rolled back between reps). On
+    fixed buffers with CUDA graphs the first runs warm up and capture: give it reps to spare."""
+    rng = np.random.default_rng(seed)
+    rows = np.arange(batch)
+    cache = model.new_cache(batch, past_len + new + 1)
+    model.forward_rows(cache, rows, rng.integers(0, vocab, (batch, past_len)),
+                       np.full(batch, past_len))
+    times = []
+    for _ in range(reps):
+        cache.lengths[:] = past_len
+        t0 = time.perf_counter()
+        model.forward_rows(cache, rows, rng.integers(0, vocab, (batch, new)), np.full(batch, new))
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
+
+
 def measure_batch_costs(pair: Pair, batch: int, ks: tuple[int, ...], past_len: int = 128,
                         reps: int = 7, draft: bool = True) -> dict[str, float]:
     """Median seconds of verify(B, s) for s in 1 and K+1, and of one draft step at batch B
     (with `draft` and a draft model; n-gram drafts cost no model call)."""
-    rng = np.random.default_rng(0)
     vocab = pair.manifest.vocab_size
-    rows = np.arange(batch)
-
-    def timed(model: Any, new: int) -> float:
-        cache = model.new_cache(batch, past_len + new + 1)
-        model.forward_rows(cache, rows, rng.integers(0, vocab, (batch, past_len)),
-                           np.full(batch, past_len))
-        times = []
-        for _ in range(reps):
-            cache.lengths[:] = past_len
-            t0 = time.perf_counter()
-            model.forward_rows(cache, rows, rng.integers(0, vocab, (batch, new)),
-                               np.full(batch, new))
-            times.append(time.perf_counter() - t0)
-        return float(statistics.median(times))
-
-    costs = {f"verify_{s}": timed(pair.target, s) for s in sorted({1, *(k + 1 for k in ks)})}
+    costs = {f"verify_{s}": time_rows_call(pair.target, batch, s, vocab, past_len, reps)
+             for s in sorted({1, *(k + 1 for k in ks)})}
     if draft and pair.draft is not None:
-        costs["draft_step"] = timed(pair.draft, 1)
+        costs["draft_step"] = time_rows_call(pair.draft, batch, 1, vocab, past_len, reps)
     return costs
 
 

@@ -278,12 +278,20 @@ class Pair:
         if cuda_graph and "cuda" not in (plan.target.provider, plan.draft.provider):
             raise InputError("CUDA graphs need a model on the cuda provider; use --providers "
                              "cuda (or cuda,cpu), or drop --cuda-graph")
+        # CUDA graphs replay the in-place (gqa-shared) steps: a concat-form target keeps
+        # plain runs beside a gqa-shared draft that replays its own.
+        graphed = {name: cuda_graph and spec is not None and spec.graph == "gqa-shared"
+                   for name, spec in (("target", manifest.target), ("draft", manifest.draft))}
+        if cuda_graph and not any(graphed.values()):
+            raise InputError("--cuda-graph replays gqa-shared models, and this pair has none; "
+                             "re-export it without --graph concat (or with --draft-graph "
+                             "gqa-shared), or drop --cuda-graph")
         if cuda_graph or device_argmax is not None or not split_head:
-            def tuned(c: SessionConfig) -> SessionConfig:
+            def tuned(c: SessionConfig, name: str) -> SessionConfig:
                 argmax = c.device_argmax if device_argmax is None else device_argmax
                 return replace(c, device_argmax=argmax, split_head=split_head,
-                               cuda_graph=c.cuda_graph or (cuda_graph and c.provider == "cuda"))
-            plan = ThreadPlan(tuned(plan.target), tuned(plan.draft))
+                               cuda_graph=c.cuda_graph or (graphed[name] and c.provider == "cuda"))
+            plan = ThreadPlan(tuned(plan.target, "target"), tuned(plan.draft, "draft"))
         tokenizer = Tokenizer.from_folder(manifest.root, bos_token_id=manifest.bos_token_id,
                                           eos_token_ids=manifest.eos_token_ids)
         if tokenizer.vocab_size > manifest.vocab_size:

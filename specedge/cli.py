@@ -266,7 +266,8 @@ load_options = _collect("load", LoadOptions, [
     click.option("--threads", default=None, help="Intra-op threads, or TARGET,DRAFT."),
     NO_VERIFY,
     click.option("--cuda-graph", is_flag=True,
-                 help="Capture and replay CUDA graphs for the models on cuda (gqa-shared pairs)."),
+                 help="Capture and replay CUDA graphs for the gqa-shared models on cuda (a "
+                      "concat target keeps plain runs beside a gqa-shared draft)."),
     click.option("--argmax", default="auto", show_default=True,
                  type=click.Choice(["auto", "device", "host"]),
                  help="Where greedy verification takes the argmax: auto = on the device for "

@@ -203,7 +203,8 @@ def test_fp16_concat_for_cuda_decodes_batches_on_cpu(work: Path) -> None:
 
 def test_concat_target_with_an_in_place_draft(work: Path) -> None:
     """`--graph concat --draft-graph gqa-shared`: batched verification in the concat form, the
-    draft's batched steps in place (one token per row); batched rows equal their batch-1 runs."""
+    draft's batched steps in place (one token per row); batched rows equal their batch-1
+    runs."""
     from specedge.exporter.tiny import make_tiny_model
     from specedge.runtime.pair import GenerationConfig, Pair
 

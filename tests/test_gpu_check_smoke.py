@@ -3,8 +3,8 @@
 The GPU machine is lent to few sessions, for 15 minutes, so the check must work the first time
 it gets there. This runs the same phases with the tiny fixture pairs (about 30 s) and checks the
 report: the exactness bars passed, the batched rows equal their batch-1 runs, and the shaped
-batched pair (a separate draft whose table is padded to fewer ids than the target's, as
-Qwen2.5-0.5B beside Qwen2.5-7B) was built and measured.
+batched pair (a separate gqa-shared draft whose table is padded to fewer ids than the concat
+target's, as Qwen2.5-0.5B beside Qwen2.5-7B) was built and its costs measured.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def test_cpu_smoke_runs_every_phase(tmp_path: Path, fixtures_dir: Path) -> None:
     manifest = json.loads((tmp_path / "work" / "pairs" / "tiny-concat" / "specedge.json")
                           .read_text())
     assert manifest["models"]["draft"]["input_vocab_size"] < manifest["vocab_size"]
+    assert manifest["models"]["draft"]["graph"] == "gqa-shared"  # in place, as the GPU's
     shaped = data["batch-tiny"]["rows"]
     assert shaped and all(r["target-only"]["equal_to_batch1"] == int(b)
                           for b, r in shaped.items())
+    # its draft's steps timed plain and on fixed buffers (CUDA graphs on a GPU)
+    assert all({"draft_step", "draft_step_graph"} <= set(r["costs"]) for r in shaped.values())

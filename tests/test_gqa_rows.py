@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specedge.runtime.backend import OrtModel
+from specedge.runtime.backend import KVCache, OrtModel
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.serving import ContinuousBatch
@@ -52,8 +52,8 @@ def mixed(fixtures_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pair:
     return pair
 
 
-calls = st.lists(st.tuples(st.lists(st.booleans(), min_size=4, max_size=4),
-                           st.lists(st.integers(1, 4), min_size=4, max_size=4)),
+calls = st.lists(st.tuples(st.lists(st.booleans(), min_size=5, max_size=5),
+                           st.lists(st.integers(1, 4), min_size=5, max_size=5)),
                  min_size=1, max_size=6)
 
 
@@ -63,28 +63,32 @@ calls = st.lists(st.tuples(st.lists(st.booleans(), min_size=4, max_size=4),
 def test_ragged_calls_equal_the_concat_form(models: tuple[OrtModel, OrtModel],
                                             calls: list[tuple[list[bool], list[int]]],
                                             seed: int) -> None:
+    """Also on fixed buffers (what CUDA graphs replay: one call over every row, as on a GPU)
+    next to the CPU's calls per run of neighbouring rows."""
     gqa, concat = models
     rng = np.random.default_rng(seed)
     vocab = 320  # the fixture tokenizer's ids (its table's too)
-    caches = gqa.new_cache(4, 48), concat.new_cache(4, 48)
-    for row, n in enumerate(rng.integers(1, 8, 4)):  # ragged prefills, one row a call
+    caches = gqa.new_cache(5, 48), concat.new_cache(5, 48), KVCache(gqa, 5, 48, fixed=True)
+    runs = (gqa, concat, gqa)
+    for row, n in enumerate(rng.integers(1, 8, 5)):  # ragged prefills, one row a call
         tokens = rng.integers(3, vocab, (1, n))
         outs = [m.forward_rows(c, np.array([row]), tokens, np.array([n]))
-                for m, c in zip(models, caches, strict=True)]
-        assert np.abs(outs[0] - outs[1]).max() < 1e-4
+                for m, c in zip(runs, caches, strict=True)]
+        assert max(np.abs(o - outs[1]).max() for o in outs) < 1e-4
     for take, widths in calls:
         rows = np.flatnonzero(take)
         if not len(rows):
             continue
         lens = np.asarray(widths)[rows]
         tokens = rng.integers(3, vocab, (len(rows), int(lens.max())))
-        outs = [m.forward_rows(c, rows, tokens, lens) for m, c in zip(models, caches, strict=True)]
+        outs = [m.forward_rows(c, rows, tokens, lens) for m, c in zip(runs, caches, strict=True)]
         valid = np.arange(lens.max())[None, :] < lens[:, None]
-        assert np.abs(outs[0] - outs[1])[valid].max() < 1e-4
-        assert np.array_equal(caches[0].lengths, caches[1].lengths)
+        assert max(np.abs(o - outs[1])[valid].max() for o in outs) < 1e-4
+        assert all(np.array_equal(c.lengths, caches[1].lengths) for c in caches)
         ids, _ = gqa.forward_rows_greedy(caches[0], rows, tokens[:, :1], np.ones(len(rows)),
                                          np.ones(len(rows), bool), last=True)
-        concat.forward_rows(caches[1], rows, tokens[:, :1], np.ones(len(rows), np.int64))
+        for m, c in zip(runs[1:], caches[1:], strict=True):
+            m.forward_rows(c, rows, tokens[:, :1], np.ones(len(rows), np.int64))
         assert (ids[:, 0] >= 0).all()
 
 
@@ -103,6 +107,11 @@ def test_every_split_runs(models: tuple[OrtModel, OrtModel]) -> None:
     gqa.forward_rows(cache, np.arange(3), np.full((3, 2), 9), np.full(3, 2))
     assert gqa.calls - before == 5  # two one-token calls beat three row calls
     assert list(cache.lengths) == [4 + 1 + 1 + 2, 4 + 1 + 2, 4 + 1 + 3 + 2]
+    wide = gqa.new_cache(8, 16)
+    before = gqa.calls
+    gqa.forward_rows(wide, np.array([0, 6, 7]), np.full((3, 1), 9), np.ones(3, np.int64))
+    assert gqa.calls - before == 2  # on the CPU, rows 0 and 6-7 apart: not the idle five
+    assert list(wide.lengths) == [1, 0, 0, 0, 0, 0, 1, 1]
 
 
 def test_mixed_pair_batches_exactly(mixed: Pair) -> None:
