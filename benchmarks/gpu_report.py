@@ -131,8 +131,8 @@ def batch_predicted(data: dict[str, Any], name: str) -> list[dict[str, Any]]:
     for batch, r in data.get(f"batch-{name}", {}).get("rows", {}).items():
         costs = r.get("costs", {})
         for label, v in ref.get(batch, {}).items():
-            if not label.startswith("K=") or not isinstance(v, dict):
-                continue
+            if not label[2:].isdigit() or not label.startswith("K=") or not isinstance(v, dict):
+                continue  # the fixed-K settings ("K=2, draft graphs" decodes with K=2 too)
             k = int(label[2:])
             for key, how in DRAFT_STEPS.items():
                 verify, step = costs.get(f"verify_{k + 1}"), costs.get(key)

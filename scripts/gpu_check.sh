@@ -115,8 +115,13 @@ else
   run_phase batch 30
   run_phase hf 20
 fi
-# the report always runs, even past the budget
-[ $DIAG = 0 ] && timeout -k 5 30 "$PY" benchmarks/gpu_check.py report --work "$WORK" \
-  --out "$OUT_DIR" "${SMOKE[@]}"
+# the report always runs, even past the budget; the script fails when it does
+REPORT_RC=0
+if [ $DIAG = 0 ]; then
+  timeout -k 5 30 "$PY" benchmarks/gpu_check.py report --work "$WORK" --out "$OUT_DIR" \
+    "${SMOKE[@]}" || REPORT_RC=$?
+fi
 take_logs
 echo "gpu_check ($MODE) took $(($(date +%s) - START)) s; logs in $WORK/logs"
+[ $REPORT_RC -eq 0 ] || echo "gpu_check: the report failed (exit $REPORT_RC)" >&2
+exit $REPORT_RC

@@ -45,5 +45,8 @@ def test_cpu_smoke_runs_every_phase(tmp_path: Path, fixtures_dir: Path) -> None:
     shaped = data["batch-tiny"]["rows"]
     assert shaped and all(r["target-only"]["equal_to_batch1"] == int(b)
                           for b, r in shaped.items())
+    # the batched reference decoded with its in-place draft replaying (fixed buffers here)
+    reference = data["batch-reference"]["rows"]
+    assert all(r["K=2, draft graphs"]["equal_to_batch1"] == int(b) for b, r in reference.items())
     # its draft's steps timed plain and on fixed buffers (CUDA graphs on a GPU)
     assert all({"draft_step", "draft_step_graph"} <= set(r["costs"]) for r in shaped.values())

@@ -142,3 +142,24 @@ def test_mixed_pair_seeded_rows_and_continuous_batching(mixed: Pair) -> None:
     for prompt, i in zip(PROMPTS[1:], ids, strict=True):
         assert done[i].tokens == mixed.generate(prompt, GenerationConfig(
             max_new_tokens=20, drafter="none")).tokens
+
+
+def test_mixed_pair_with_the_draft_on_fixed_buffers(mixed: Pair) -> None:
+    """The draft replaying its batched steps (fixed buffers: what CUDA graphs capture, on the
+    CPU without the capture) beside the concat target's plain runs: the same rows."""
+    from dataclasses import replace as with_fields
+
+    from specedge.runtime.pair import ThreadPlan, plan_threads
+
+    threads = plan_threads()
+    fixed = Pair.load(mixed.manifest.root, plan=ThreadPlan(
+        threads.target, with_fields(threads.draft, fixed_buffers=True)))
+    assert fixed.draft is not None and fixed.draft.config.fixed
+    assert not fixed.target.config.fixed
+    cfg = GenerationConfig(max_new_tokens=20, drafter="model", num_draft_tokens=3,
+                           adaptive=False)
+    for pair in (fixed, mixed):
+        batched = pair.generate_batch(PROMPTS, cfg)
+        for prompt, row in zip(PROMPTS, batched.results, strict=True):
+            alone = mixed.generate(prompt, GenerationConfig(max_new_tokens=20, drafter="none"))
+            assert row.tokens == alone.tokens, prompt
