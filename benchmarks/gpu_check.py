@@ -288,16 +288,40 @@ def all_export_jobs(plan: Plan) -> list[tuple[str, Path, tuple[str, ...], list[s
         # (gqa-shared): its batched steps are what CUDA graphs replay. Last, to delay no other;
         # its 15 GB source goes once the pair is written.
         ("qwen2.5-7b-concat", p["qwen2.5-7b-concat"], ("qwen2.5-7b", "qwen2.5-0.5b"),
-         ["sh", "-c", '"$@" && rm -rf -- "$0"', str(hf / "qwen2.5-7b"),
-          *spec, str(hf / "qwen2.5-7b"), "--draft", str(hf / "qwen2.5-0.5b"), "-o",
+         ["sh", "-c", '"$@" && rm -rf -- "$0"', str(source_folder(plan, "qwen2.5-7b")),
+          *spec, str(source_folder(plan, "qwen2.5-7b")), "--draft", str(hf / "qwen2.5-0.5b"),
+          "-o",
           str(p["qwen2.5-7b-concat"]), *gpu, "--graph", "concat", "--draft-graph",
           "gqa-shared"]),
     ]
 
 
+SHM = Path("/dev/shm")
+BIG_SOURCE = 4 << 30  # a shaped source this large goes to shared memory when it has room
+_SOURCE_FOLDERS: dict[str, Path] = {}
+
+
+def source_folder(plan: Plan, name: str) -> Path:
+    """Where the HF folder `name` goes: in shared memory (RAM; the GPU machine has 128 GiB) for
+    a large shaped model when /dev/shm has room, so the 64 GiB work disk holds only its ONNX
+    export; else WORK/hf/NAME. Decided once per process."""
+    if name not in _SOURCE_FOLDERS:
+        disk, shm = plan.work / "hf" / name, SHM / f"specedge-hf-{name}"
+        size = 2 * gpu_models.SHAPES[name].parameters if name in gpu_models.SHAPES else 0
+        pick = disk
+        if not plan.smoke and size >= BIG_SOURCE and not (disk / "config.json").is_file():
+            try:
+                room = shutil.disk_usage(SHM).free > size + (2 << 30)
+            except OSError:
+                room = False
+            pick = shm if (shm / "config.json").is_file() or room else disk
+        _SOURCE_FOLDERS[name] = pick
+    return _SOURCE_FOLDERS[name]
+
+
 def make_source(plan: Plan, name: str, status: dict[str, Any]) -> bool:
     """Write the HF folder `name` (the GGUF's for "smollm2", else a shaped random model)."""
-    folder = plan.work / "hf" / name
+    folder = source_folder(plan, name)
     if (folder / "config.json").is_file():
         return True
     t0 = time.perf_counter()
@@ -311,9 +335,10 @@ def make_source(plan: Plan, name: str, status: dict[str, Any]) -> bool:
 
         gguf_to_folder(gguf, folder)
     else:
-        # The source, then its ONNX export, each about 2 bytes a parameter (fp16); leave room
-        # for the other pairs.
-        need = 2 * 2 * gpu_models.SHAPES[name].parameters + (8 << 30)
+        # Its ONNX export, and the source unless it is in shared memory, each about 2 bytes a
+        # parameter (fp16); leave room for the other pairs.
+        on_disk = 1 if folder.is_relative_to(SHM) else 2
+        need = on_disk * 2 * gpu_models.SHAPES[name].parameters + (8 << 30)
         free = shutil.disk_usage(plan.work).free
         if not plan.smoke and free < need:
             status["notes"].append(f"{name}: not built: {free / 2**30:.0f} GiB free on the "
