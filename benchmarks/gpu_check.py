@@ -869,17 +869,22 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
                                                 num_draft_tokens=max(plan.batch_ks),
                                                 adaptive=True)
     run_batch(pair, ids[:2], settings[list(settings)[-1]])  # warm-up
-    graphed = None if info.real_weights else graphed_draft(plan, pair)
+    # The draft replaying CUDA graphs has not run in batches on a GPU yet: whatever it raises
+    # costs only its own figures, noted, never the sweep's.
+    graphed = None if info.real_weights else guarded(
+        result, "the draft on CUDA graphs", graphed_draft, plan, pair)
     # A real pair whose draft is in place also decodes with that draft replaying CUDA graphs
     # (fixed buffers on the CPU smoke): measured, not predicted.
     runs = {label: pair for label in settings}
-    replaying = graphed_pair(plan, info) if info.real_weights else None
+    replaying = guarded(result, "the pair with its draft on CUDA graphs", graphed_pair, plan,
+                        info) if info.real_weights else None
     if replaying is not None:
         k = min(plan.batch_ks)
         label = f"K={k}, draft graphs"
-        settings[label] = settings[f"K={k}"]
-        runs[label] = replaying
-        run_batch(replaying, ids[:2], settings[label])  # warm-up (and captures)
+        if guarded(result, f"{label} (warm-up)", run_batch, replaying, ids[:2],  # captures
+                   settings[f"K={k}"]) is not None:
+            settings[label] = settings[f"K={k}"]
+            runs[label] = replaying
     alone: list[list[int]] = []  # batch-1 target-only outputs, the exactness reference
     outputs: dict[tuple[int, str], list[list[int]]] = {}
     # A shaped pair is there for the bar at B=8: that first.
@@ -891,8 +896,16 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
         while len(alone) < batch:
             alone.append(pair.generate_ids(ids[len(alone)], target_only)[0])
         row: dict[str, Any] = {}
-        for label, cfg in settings.items():
-            outs, st = run_batch(runs[label], ids[:batch], cfg)
+        for label, cfg in list(settings.items()):
+            if runs[label] is pair:
+                outs, st = run_batch(pair, ids[:batch], cfg)
+            else:
+                done = guarded(result, f"{label} at B={batch}", run_batch, runs[label],
+                               ids[:batch], cfg)
+                if done is None:
+                    del settings[label]
+                    continue
+                outs, st = done
             outputs[(batch, label)] = outs
             row[label] = {"tokens_per_s": st.tokens_per_s, "acceptance": st.acceptance_rate,
                           "rounds": st.rounds, "new_tokens": st.new_tokens,
@@ -902,8 +915,11 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
                                                                         strict=False))}
         costs = measure_batch_costs(pair, batch, plan.batch_ks, reps=3 if plan.smoke else 5)
         if graphed is not None:  # warm-up and capture runs first: reps to spare
-            costs["draft_step_graph"] = time_rows_call(graphed, batch, 1, pair.manifest.vocab_size,
-                                                       reps=5 if plan.smoke else 9)
+            step = guarded(result, f"the draft step on CUDA graphs at B={batch}",
+                           time_rows_call, graphed, batch, 1, pair.manifest.vocab_size,
+                           reps=5 if plan.smoke else 9)
+            if step is not None:
+                costs["draft_step_graph"] = step
         row["costs"] = costs
         row["verify_ratio"] = {f"K={k}": costs[f"verify_{k + 1}"] / costs["verify_1"]
                                for k in plan.batch_ks if f"verify_{k + 1}" in costs}
@@ -931,6 +947,17 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
                     "equal_to_device_kv": outs == outputs[(batch, label)]}
         print(f"batch {info.name} B={batch}, KV cache on the host: {result['host_kv']}")
     write_part(plan, name, result)
+
+
+def guarded(result: dict[str, Any], what: str, run: Any, *args: Any, **kwargs: Any) -> Any:
+    """`run(*args, **kwargs)`, or None with a note in `result` when it raises (a new path on
+    the GPU)."""
+    try:
+        return run(*args, **kwargs)
+    except Exception as exc:  # the report says why
+        result["notes"].append(f"{what} failed: {type(exc).__name__}: {str(exc)[:300]}")
+        print(f"{what} failed: {type(exc).__name__}: {exc}")
+        return None
 
 
 def graphed_pair(plan: Plan, info: PairInfo) -> Any:
