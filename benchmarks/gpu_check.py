@@ -829,16 +829,11 @@ def phase_batch(plan: Plan) -> None:
 
 
 def run_batch(pair: Any, prompts: list[list[int]], cfg: Any) -> tuple[list[list[int]], Any]:
-    """One batch of token-id prompts (greedy); the rows' new tokens and the batch totals."""
-    from specedge.runtime.batch import RowRequest, decode_batch
-    from specedge.runtime.rounds import RowOutput
-
-    dplan = pair.plan(cfg)
-    requests = [RowRequest(list(p), RowOutput(cfg.max_new_tokens, pair.manifest.eos_token_ids))
-                for p in prompts]
-    max_len = dplan.cache_len(max(len(p) for p in prompts), cfg.max_new_tokens)
-    rows, totals = decode_batch(pair.target, pair.draft, dplan, requests, max_len=max_len)
-    return [list(r.generated) for r in rows], totals
+    """One batch of token-id prompts (greedy); the rows' new tokens and the batch totals.
+    Adaptive K keeps its tuners on the pair, as `specedge bench --batch` and a user's
+    `generate_batch` do: a batch size's first batch starts from the nearest size's."""
+    result = pair.generate_batch_ids(prompts, cfg)
+    return [r.tokens for r in result.results], result.stats
 
 
 def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:

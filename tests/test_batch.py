@@ -186,6 +186,43 @@ def test_adaptive_batches_warm_start_from_the_last_batch_of_that_size(concat_pai
         assert got.tokens == pair.generate(prompt, replace(cfg, drafter="none")).tokens
 
 
+def test_a_new_batch_size_warm_starts_from_the_nearest_one(concat_pair: Pair) -> None:
+    """The first batch at a size starts from the tuner of the nearest size (same drafter and
+    k), not from a cold prior: its costs, keyed by tokens fed, carry over."""
+    pair = Pair(concat_pair.manifest, concat_pair.tokenizer, concat_pair.target,
+                concat_pair.draft)
+    cfg = GenerationConfig(max_new_tokens=12, drafter="model", num_draft_tokens=4,
+                           adaptive=True)
+    pair.generate_batch(PROMPTS[:2], cfg)
+    pair.generate_batch(PROMPTS, replace(cfg, num_draft_tokens=3))  # another k: not a source
+    learned = pair._tuners[(2, "model", 4)]
+    got = pair.generate_batch(PROMPTS[:3], cfg)
+    tuner = pair._tuners[(3, "model", 4)]
+    assert tuner.rounds >= learned.rounds + got.stats.rounds - 1  # continued from B=2's
+    assert set(learned.verify.mean) <= set(tuner.verify.mean)
+    assert (4, "model", 4) not in pair._tuners
+    for prompt, row in zip(PROMPTS[:3], got.results, strict=True):
+        assert row.tokens == pair.generate(prompt, replace(cfg, drafter="none")).tokens
+    one = pair._take_tuner((1, "model", 4), pair.plan(cfg))  # nearest: B=2, not B=3
+    assert one is not None and one.rounds == pair._tuners[(2, "model", 4)].rounds
+
+
+def test_generate_batch_ids_is_generate_batch_on_token_ids(concat_pair: Pair) -> None:
+    cfg = GenerationConfig(max_new_tokens=10, drafter="model", num_draft_tokens=2,
+                           adaptive=False)
+    by_text = concat_pair.generate_batch(PROMPTS[:3], cfg)
+    ids = [r.prompt_tokens for r in by_text.results]
+    by_ids = concat_pair.generate_batch_ids(ids, cfg)
+    assert [r.tokens for r in by_ids.results] == [r.tokens for r in by_text.results]
+    assert all(r.text == "" and r.prompt_tokens == i for r, i in zip(by_ids.results, ids,
+                                                                      strict=True))
+    for bad in ([], [[1, 2], []]):
+        with pytest.raises(InputError, match="token-id prompts"):
+            concat_pair.generate_batch_ids(bad, cfg)
+    with pytest.raises(InputError, match="configs"):
+        concat_pair.generate_batch_ids(ids, [cfg])
+
+
 def test_continuous_batch_cancel_frees_the_slot(concat_pair: Pair) -> None:
     from specedge.runtime.serving import ContinuousBatch
 
