@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, listed
 from .pair import GenerationConfig, Pair
 
 
@@ -46,12 +46,13 @@ class BatchBenchOptions:
         if self.drafter not in ("model", "ngram", "hybrid"):
             raise InputError(f"unknown drafter {self.drafter!r}; use model, ngram or hybrid")
         if not self.batches or any(b < 1 for b in self.batches):
-            raise InputError(f"--batch takes positive integers, got {self.batches}")
+            raise InputError(f"--batch takes positive integers, got {listed(self.batches)}")
         if len(self.prompts) < max(self.batches):
             raise InputError(f"--batch {max(self.batches)} needs at least that many prompts; "
                              f"got {len(self.prompts)}")
         if not self.ks or any(not 1 <= k <= 64 for k in self.ks):
-            raise InputError(f"--ks takes values in 1..64, got {self.ks}")
+            raise InputError(f"--ks takes values in 1..64, got {listed(self.ks)}")
+        GenerationConfig(max_new_tokens=self.max_new_tokens)  # validates it, as generate does
 
 
 @dataclass

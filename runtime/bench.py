@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, listed
 from .manifest import write_atomic
 from .pair import GenerationConfig, Pair
 from .sampling import SamplingParams
@@ -62,8 +62,9 @@ class BenchOptions:
                              "prompts; give one category per prompt")
         if self.repeats < 1 or self.warmup < 0:
             raise InputError("--repeats must be >= 1 and --warmup >= 0")
+        GenerationConfig(max_new_tokens=self.max_new_tokens)  # validates it, as generate does
         if not self.ks or any(not 1 <= k <= 64 for k in self.ks):
-            raise InputError(f"--ks takes values in 1..64, got {self.ks}")
+            raise InputError(f"--ks takes values in 1..64, got {listed(self.ks)}")
 
 
 @dataclass

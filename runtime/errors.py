@@ -7,6 +7,8 @@ into one clean line and a non-zero exit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class SpecEdgeError(Exception):
     """Base class of every error specedge raises on purpose."""
@@ -30,3 +32,8 @@ class ExportError(SpecEdgeError):
 
 class OutputError(SpecEdgeError):
     """An output file or folder cannot be written (full or read-only disk, permissions)."""
+
+
+def listed(values: Iterable[object]) -> str:
+    """Values as a user typed them in an option: `1,2,4` (not a Python tuple)."""
+    return ",".join(str(v) for v in values)

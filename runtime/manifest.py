@@ -586,6 +586,9 @@ def read_manifest(root: Path | str) -> PairManifest:
         ManifestError: as `load_manifest`, except for hash mismatches.
     """
     root = Path(root)
+    if root.is_file():
+        raise ManifestError(f"{root}: is a file, not a pair folder; give the folder "
+                            "`specedge export` wrote")
     if not root.is_dir():
         raise ManifestError(f"{root}: no such pair folder; create one with `specedge export`")
     file = root / MANIFEST_NAME

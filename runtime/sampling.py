@@ -101,7 +101,8 @@ class SamplingParams:
             raise InputError(f"min_p must be a number in [0, 1) (0 turns it off), got {m!r}")
         s = self.seed
         if s is not None and (not _is_int(s) or int(s) < 0):
-            raise InputError(f"seed must be None or an integer >= 0, got {s!r}")
+            raise InputError(f"seed must be an integer >= 0 (or unset, for a random seed), "
+                             f"got {s!r}")
 
     @property
     def greedy(self) -> bool:

@@ -16,8 +16,9 @@ are resolved by the same policy as `Pair.generate`. Needs a `--graph concat` pai
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .batch import BatchDecoder, BatchRow, RowRequest
 from .errors import InputError
@@ -29,6 +30,7 @@ from .rounds import RowOutput
 class _Pending:
     request_id: int
     request: RowRequest
+    submitted: float = field(default_factory=time.perf_counter)  # its stats' total_s start
 
 
 class ContinuousBatch:
@@ -110,6 +112,7 @@ class ContinuousBatch:
             p, _ = self.running.pop(row.index)
             self.decoder.release(row)
             reason = row.output.finish()  # flushes the detokenizer: before reading the text
+            row.stats.total_s = time.perf_counter() - p.submitted  # queueing included
             done.append((p.request_id, GenerationResult(
                 text=row.output.text, tokens=list(row.generated), prompt_tokens=p.request.prompt,
                 stop_reason=reason, stats=row.stats)))

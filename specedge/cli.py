@@ -152,7 +152,12 @@ class CommaSeparated(click.ParamType):
                 ctx: click.Context | None) -> tuple[Any, ...]:
         if isinstance(value, tuple):
             return value
-        items = [v.strip() for v in str(value).split(",") if v.strip()]
+        items = [v.strip() for v in str(value).split(",")]
+        if items == [""]:
+            items = []
+        elif "" in items:  # "1,,2" or "2,": a typo, not a list to guess at
+            self.fail(f"{value!r}: an empty item; give comma-separated "
+                      + ("names" if self.choices else "integers, e.g. 1,2,4"), param, ctx)
         if self.choices is None:
             try:
                 ints = tuple(int(v) for v in items)
@@ -538,7 +543,7 @@ def _template_source(template: dict[str, Any]) -> str:
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path))
 @click.option("--prompts", "prompts_file", required=True, type=click.Path(path_type=Path),
               help="Held-out evaluation prompts (.txt or .jsonl).")
-@click.option("--limit", default=12, show_default=True, type=int,
+@click.option("--limit", default=12, show_default=True, type=click.IntRange(min=1),
               help="Use the first N evaluation prompts.")
 @click.option("--precision", default="fp32", show_default=True,
               type=click.Choice(DRAFT_PRECISIONS), help="Target precision.")
@@ -692,6 +697,17 @@ class BatchRows:
     where: list[str]
 
 
+def _row_stop(row: dict[str, Any]) -> list[str] | None:
+    """A batch row's stop strings (one string or a list, as the server's `stop`); None when
+    it is neither."""
+    stop = row.get("stop", [])
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        return None
+    return stop
+
+
 def _check_row(row: dict[str, Any], where: str) -> None:
     """Types of a batch row's fields (JSON gives any type; bool is not a number here)."""
     from specedge.runtime.text import check_text
@@ -715,9 +731,9 @@ def _check_row(row: dict[str, Any], where: str) -> None:
                              "{\"role\": ..., \"content\": ...} objects with string values")
         for m in messages:
             check_text(m["content"], f"{where}: a message")
-    stop = row.get("stop", [])
-    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
-        raise InputError(f"{where}: \"stop\" must be a list of strings")
+    stop = _row_stop(row)
+    if stop is None:
+        raise InputError(f"{where}: \"stop\" must be a string or a list of strings")
     for x in stop:
         check_text(x, f"{where}: a stop string")
 
@@ -755,7 +771,8 @@ def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
                 top_k=row.get("top_k", s.top_k), top_p=row.get("top_p", s.top_p),
                 min_p=row.get("min_p", s.min_p), seed=row.get("seed", s.seed))
             rows.configs.append(dataclasses.replace(
-                base, sampling=sampling, stop=tuple(row.get("stop", base.stop)),
+                base, sampling=sampling,
+                stop=tuple(_row_stop(row) or ()) if "stop" in row else base.stop,
                 max_new_tokens=row.get("max_new_tokens", base.max_new_tokens),
                 chat=row.get("chat", base.chat or "messages" in row)))
         except InputError as exc:

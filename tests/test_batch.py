@@ -167,6 +167,8 @@ def test_continuous_batching_rows_join_between_rounds(concat_pair: Pair) -> None
     for rid, prompt, cfg in zip(ids, PROMPTS + PROMPTS[:1], configs, strict=True):
         want = concat_pair.generate(prompt, replace(cfg, drafter="none"))
         assert results[rid].tokens == want.tokens and results[rid].text == want.text
+        st = results[rid].stats  # from its submission: queueing, prefill and decoding
+        assert st.total_s >= st.prefill_s + st.decode_s > 0
     with pytest.raises(InputError, match="context"):
         server.submit("x " * 600, GenerationConfig(max_new_tokens=8))
 

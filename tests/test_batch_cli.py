@@ -42,7 +42,7 @@ def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path
     ('{"prompt": "a", "foo": 1}', "unknown key"),
     ('{"max_new_tokens": 3}', "exactly one of"),
     ("not json", "not a JSON object"),
-    ('{"prompt": "a", "stop": "x"}', "list of strings"),
+    ('{"prompt": "a", "stop": 3}', "a string or a list of strings"),
     ("", "no rows"),
 ])
 def test_bad_batch_files(runner: CliRunner, concat_dir: Path, tmp_path: Path, content: str,

@@ -409,7 +409,12 @@ def _chat_answers_every_turn(w: World, out: str, err: str) -> None:
 
 def _plain(*args: Any) -> Callable[[World], list[Any]]:
     def setup(w: World) -> list[Any]:
-        return [w.pair() if a == "PAIR" else w.concat() if a == "CONCAT" else a for a in args]
+        def arg(a: Any) -> Any:
+            if isinstance(a, str) and a.startswith("PAIR/"):
+                return w.pair() / a[len("PAIR/"):]
+            return w.pair() if a == "PAIR" else w.concat() if a == "CONCAT" else a
+
+        return [arg(a) for a in args]
 
     return setup
 
@@ -524,6 +529,27 @@ CASES = [
     Case("unclear", "quantize without the [export] extra",
          _plain("quantize", "PAIR", "-o", "NEWPAIR", "--method", "int8-dynamic"),
          contains="[export]", child=True, prefix=["block-onnx"]),
+    Case("unclear", "bench --ks 1,,2 (an empty item)", _plain("bench", "PAIR", "--ks", "1,,2"),
+         expect="usage", contains="empty item"),
+    Case("unclear", "bench --ks 0 names the value as typed", _plain("bench", "PAIR", "--ks", "0"),
+         contains="got 0"),
+    Case("unclear", "bench --batch 0 names the value as typed",
+         _plain("bench", "CONCAT", "--batch", "0,2"), contains="got 0,2"),
+    Case("unclear", "bench --max-new-tokens -3, before any progress bar",
+         _plain("bench", "PAIR", "--max-new-tokens", "-3"), contains="max_new_tokens",
+         child=True),  # a real stderr: rich's progress bar wrote a blank line there
+    Case("unclear", "bench --batch --max-new-tokens -3",
+         _plain("bench", "CONCAT", "--batch", "1", "--max-new-tokens", "-3"),
+         contains="max_new_tokens"),
+    Case("unclear", "--seed -1 in CLI words", _plain("generate", "PAIR", "hi", "--seed", "-1"),
+         contains="or unset"),
+    Case("unclear", "a file given as the pair", _plain("generate", "PAIR/specedge.json", "hi"),
+         contains="is a file"),
+    Case("unclear", "draft --limit 0", _plain("draft", "PAIR", "-o", "NEWPAIR", "--prompts",
+                                              "PAIR/chat_template.jinja", "--limit", "0"),
+         expect="usage", contains="--limit"),
+    Case("unclear", "batch row \"stop\": a string, as the server takes",
+         _batch_rows('{"prompt": "a", "stop": ".", "max_new_tokens": 2}'), expect="ok"),
     Case("unclear", "broken pipe", _plain("generate", "PAIR", "The quick", "--max-new-tokens",
                                           "40"),
          expect=141, child=True),
@@ -606,6 +632,7 @@ def test_catalogue(case: Case, fixtures_dir: Path, tmp_path: Path,
     if case.expect == "error":
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), err
+        assert err.rstrip("\n") == lines[0], repr(err)  # no blank line before it either
         assert case.contains in lines[0], lines[0]
     elif case.expect == 141:
         assert err == "", err
