@@ -300,8 +300,9 @@ class BatchDecoder:
                 row.draft_stable = keep
                 self.d_cache.lengths[row.index] = keep
             row.sampler.forget(row.position)
-            row.stats.record_round(n, accepted, verify_s=verify_s / len(live),
-                                   draft_s=(draft_s + catch_up_s) / len(live),
+            # The whole calls of the round: the row waited for them (so its host_s is the
+            # batch's host time in its rounds, not inflated by the other rows' shares).
+            row.stats.record_round(n, accepted, verify_s=verify_s, draft_s=draft_s + catch_up_s,
                                    draft_calls=n if row.index in model_rows else 0)
             row.output.push(emitted)
             if not row.output.done and len(row.tokens) >= self.limit:

@@ -55,7 +55,8 @@ class GenerationConfig:
         num_draft_tokens: k; None takes the pair's default (from export or `specedge tune`).
         drafter: "model", "ngram", "hybrid" or "none" (target only); None = pair default.
         adaptive: adapt k to measured acceptance and costs; None = pair default.
-        stop: stop strings (may span tokens); the text is cut before the stop string.
+        stop: stop strings (may span tokens); the text is cut before the stop string. One
+            string is one stop string (as the server's `stop`); a list becomes a tuple.
         chat: render a str prompt through the chat template as one user message.
         draft_p_min: the draft model stops proposing at a token it gives less than this
             probability (0 = never; None = the default, `policy.DRAFT_P_MIN`).
@@ -81,7 +82,19 @@ class GenerationConfig:
         if self.drafter is not None and self.drafter not in DRAFTER_CHOICES:
             raise InputError(f"drafter must be one of {', '.join(DRAFTER_CHOICES)}, got "
                              f"{self.drafter!r}")
-        StopStrings(list(self.stop))  # validates
+        if isinstance(self.stop, str):  # one stop string, as the server's `stop` takes it
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list | tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        else:
+            raise InputError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        StopStrings(self.stop)  # validates
+        if not isinstance(self.sampling, SamplingParams):
+            raise InputError(f"sampling must be a SamplingParams, got {self.sampling!r}")
+        if self.adaptive is not None and not isinstance(self.adaptive, bool):
+            raise InputError(f"adaptive must be true, false or None, got {self.adaptive!r}")
+        if not isinstance(self.chat, bool):
+            raise InputError(f"chat must be true or false, got {self.chat!r}")
         p = self.draft_p_min
         if p is not None and (isinstance(p, bool) or not isinstance(p, int | float) or
                               not 0.0 <= p < 1.0):
@@ -206,6 +219,15 @@ def load_model(manifest: PairManifest, name: str, config: SessionConfig, *,
     if message:
         log.warning("%s", message)
     return model, message
+
+
+def _timed(rounds: Generator[list[int], None, str], stats: GenerationStats, start: float
+           ) -> Generator[list[int], None, str]:
+    """`rounds`, setting `stats.total_s` (from `start`) when it ends or is closed."""
+    try:
+        return (yield from rounds)
+    finally:
+        stats.total_s = time.perf_counter() - start
 
 
 def _row_configs(n: int, configs: GenerationConfig | Sequence[GenerationConfig] | None
@@ -445,10 +467,12 @@ class Pair:
                       ) -> Generator[list[int], None, str]:
         """Yield the token ids kept by each round (the lowest-level API; stop strings are a
         text matter and are not applied here)."""
+        start = time.perf_counter()
         config = config or GenerationConfig()
         ids = self.check_ids(prompt_ids)
         stats = stats if stats is not None else GenerationStats()
-        return self._decode(ids, config, stats, self.new_output(ids, config, text=False))
+        return _timed(self._decode(ids, config, stats, self.new_output(ids, config, text=False)),
+                      stats, start)
 
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
                stats: GenerationStats | None = None
@@ -525,13 +549,15 @@ class Pair:
                            *, compact: bool = True) -> BatchResult:
         """Token-level `generate_batch` (no detokenization: stop strings do not apply and the
         results' texts are empty); the same decoding, plan and tuners."""
-        if not prompt_ids or any(not ids for ids in prompt_ids):
+        rows = [] if isinstance(prompt_ids, str | bytes) else list(prompt_ids)
+        if not rows or not all(isinstance(ids, Sequence | np.ndarray)
+                               and not isinstance(ids, str | bytes) and len(ids) for ids in rows):
             raise InputError("generate_batch_ids takes a non-empty list of non-empty token-id "
                              "prompts")
         start = time.perf_counter()
-        configs = _row_configs(len(prompt_ids), configs)
-        return self._batch([list(ids) for ids in prompt_ids], configs, compact, start,
-                           text=False)
+        configs = _row_configs(len(rows), configs)
+        return self._batch([self.check_ids(ids) for ids in rows], configs, compact,
+                           start, text=False)
 
     def _batch(self, ids_list: list[list[int]], configs: Sequence[GenerationConfig],
                compact: bool, start: float, *, text: bool) -> BatchResult:

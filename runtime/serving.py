@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .batch import BatchDecoder, BatchRow, RowRequest
 from .errors import InputError
@@ -41,9 +41,9 @@ class ContinuousBatch:
                  adaptive: bool | None = None, compact: bool = True,
                  draft_p_min: float | None = None) -> None:
         self.pair = pair
-        self.plan = pair.plan(GenerationConfig(drafter=drafter,
-                                               num_draft_tokens=num_draft_tokens,
-                                               adaptive=adaptive, draft_p_min=draft_p_min))
+        self._shared = GenerationConfig(drafter=drafter, num_draft_tokens=num_draft_tokens,
+                                        adaptive=adaptive, draft_p_min=draft_p_min)
+        self.plan = pair.plan(self._shared)
         self.max_len = min(max_len, self.plan.limit)
         self.decoder = BatchDecoder(pair.target, pair.draft, self.plan, capacity=capacity,
                                     max_len=self.max_len, compact=compact)
@@ -54,6 +54,7 @@ class ContinuousBatch:
     def submit(self, prompt: Prompt, config: GenerationConfig | None = None) -> int:
         """Queue a request; it joins the batch at the next round with a free slot."""
         config = config or GenerationConfig()
+        self._check_shared(config)
         ids = self.pair.encode_prompt(prompt, chat=config.chat)
         if len(ids) >= self.max_len:
             raise InputError(f"the prompt has {len(ids)} tokens but the server's context is "
@@ -64,6 +65,22 @@ class ContinuousBatch:
         self.next_id += 1
         self.queue.append(pending)
         return pending.request_id
+
+    def _check_shared(self, config: GenerationConfig) -> None:
+        """Refuse a request whose drafter, K, adaptivity or draft cut-off (where it sets them)
+        would decode otherwise than the batch: the rows share them (`generate_batch` refuses
+        mixed rows likewise)."""
+        fields = ("drafter", "num_draft_tokens", "adaptive", "draft_p_min")
+        merged = replace(config, **{f: getattr(self._shared, f) for f in fields
+                                    if getattr(config, f) is None})
+        asked = self.pair.plan(merged)
+        shared = (self.plan.drafter, self.plan.k, self.plan.adaptive, self.plan.draft_p_min)
+        if (asked.drafter, asked.k, asked.adaptive, asked.draft_p_min) != shared:
+            raise InputError(
+                f"this batch decodes with drafter {self.plan.drafter}, K={self.plan.k}, "
+                f"adaptive {self.plan.adaptive}, draft_p_min {self.plan.draft_p_min}, which its "
+                "rows share; leave them unset in the request (per request: sampling, seed, "
+                "max_new_tokens, stop, chat)")
 
     @property
     def busy(self) -> bool:

@@ -55,6 +55,7 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
     yield kept
     adaptive = (tuner or new_tuner(plan.drafter, plan.k)) if plan.adaptive and drafter else None
     decode_start = time.perf_counter()
+    suspended: float | None = None
     try:
         while not output.done:
             if len(tokens) >= limit:
@@ -98,9 +99,12 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
                 adaptive.record_verify(len(drafts) + 1, verify_s)
             kept = output.push(emitted)
             stats.new_tokens = len(output.tokens)
+            suspended = time.perf_counter()
             yield kept
-    finally:
-        stats.decode_s += time.perf_counter() - decode_start
+            decode_start += time.perf_counter() - suspended  # the caller's time is not ours
+            suspended = None
+    finally:  # closed at a yield: decoding ended when it was suspended
+        stats.decode_s += (suspended or time.perf_counter()) - decode_start
     if not output.done and len(tokens) >= limit:
         output.stop_at("context")
     return output.finish()

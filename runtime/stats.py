@@ -12,7 +12,10 @@ class GenerationStats:
 
     Times are seconds of wall clock. `draft_s` and `verify_s` are spent inside the draft's and the
     target's `run` calls during decoding; `host_s` is everything else in the decode rounds
-    (sampling, acceptance, bookkeeping, detokenization).
+    (sampling, acceptance, bookkeeping, detokenization). `decode_s` counts decoding only: a
+    stream's time suspended at its yields (the caller's) is left out; `total_s` is the wall
+    clock from the call (or a `ContinuousBatch.submit`) to the end. A batch row's `draft_s` and
+    `verify_s` are the whole calls of the rounds it took part in, which its rows share.
     """
 
     prompt_tokens: int = 0

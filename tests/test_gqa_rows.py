@@ -131,7 +131,7 @@ def test_mixed_pair_seeded_rows_and_continuous_batching(mixed: Pair) -> None:
     seeded = SamplingParams(temperature=0.8, seed=99)
     alone = mixed.generate(PROMPTS[0], GenerationConfig(max_new_tokens=20, drafter="none",
                                                         sampling=seeded))
-    server = ContinuousBatch(mixed, capacity=2)
+    server = ContinuousBatch(mixed, capacity=2, num_draft_tokens=2, adaptive=False)
     ids = [server.submit(p, GenerationConfig(max_new_tokens=20, num_draft_tokens=2,
                                              adaptive=False))
            for p in PROMPTS[1:]]

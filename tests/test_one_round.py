@@ -65,8 +65,8 @@ def test_seeded_row_is_the_same_in_every_batch_k_and_drafter(concat_pair: Pair) 
     outs = set()
     for _ in range(6):
         server = ContinuousBatch(concat_pair, capacity=2)  # the pair's default: adaptive K
-        server.submit("Hi there", _cfg(sampling=GREEDY))
-        rid = server.submit(PROMPT, _cfg(sampling=SEEDED))
+        server.submit("Hi there", _cfg(sampling=GREEDY, adaptive=None))
+        rid = server.submit(PROMPT, _cfg(sampling=SEEDED, adaptive=None))
         outs.add(server.run()[rid].text)
     assert outs == {alone.text}
 
