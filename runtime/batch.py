@@ -67,6 +67,7 @@ class BatchStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     decode_s: float = 0.0
+    total_s: float = 0.0  # `generate_batch`: from the call to the end (encoding included)
     draft_lengths: list[int] = field(default_factory=list)
     live_rows: list[int] = field(default_factory=list)  # rows in each round
 
@@ -75,6 +76,11 @@ class BatchStats:
         """Aggregate tokens per second of decoding, all rows together (each row's first token
         comes from its prefill and is not counted, as in `GenerationStats.tokens_per_s`)."""
         return max(0, self.new_tokens - self.rows) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def end_to_end_tokens_per_s(self) -> float:
+        """All rows' new tokens over `total_s` (prefills and encoding included)."""
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
     @property
     def acceptance_rate(self) -> float:

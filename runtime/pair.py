@@ -582,6 +582,7 @@ class Pair:
             results.append(GenerationResult(text=row.output.text, tokens=list(row.generated),
                                             prompt_tokens=ids, stop_reason=reason,
                                             stats=row.stats))
+        totals.total_s = time.perf_counter() - start
         self._settle_pages()
         return BatchResult(results=results, stats=totals)
 

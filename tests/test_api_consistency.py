@@ -85,6 +85,8 @@ def test_batch_rows_carry_the_whole_calls_they_waited_for(concat_pair: Pair) -> 
     assert longest.rounds == batch.stats.rounds
     assert longest.verify_s == pytest.approx(batch.stats.verify_s)
     assert longest.draft_s == pytest.approx(batch.stats.draft_s)
+    assert batch.stats.total_s >= batch.stats.prefill_s + batch.stats.decode_s > 0
+    assert batch.stats.end_to_end_tokens_per_s > 0
     for st in rows:  # what is left is host time (and, for the first rows, later prefills)
         assert st.draft_s + st.verify_s <= st.decode_s + 1e-9
 
