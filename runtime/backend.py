@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from . import host_argmax
 from .device_kv import DeviceKV, KVOps, zero_fill
 from .errors import InputError, ManifestError, ModelError
 from .manifest import MANIFEST_NAME, ModelSpec, confine
@@ -694,13 +695,6 @@ def _host(logits: ort.OrtValue | np.ndarray) -> np.ndarray:
     return arr.copy() if logits.device_name().lower() == "cpu" else arr
 
 
-def _argmax_ready(logits: np.ndarray) -> np.ndarray:
-    """Host logits for numpy's argmax: float16 as float32 (an exact conversion: the same order
-    and ties, so the same ids), because numpy's float16 argmax is not vectorized (4 x 49,152
-    logits: 1.01 ms as float16, 0.21 ms converted first, measured here); others as they are."""
-    return logits.astype(np.float32) if logits.dtype == np.float16 else logits
-
-
 def _value(logits: ort.OrtValue | np.ndarray) -> ort.OrtValue:
     """Logits as an OrtValue (host arrays are wrapped, not copied)."""
     if isinstance(logits, np.ndarray):
@@ -1013,15 +1007,15 @@ class OrtModel:
         if head is None:
             # Few, cheap operations: after a run has streamed the weights through the caches,
             # every extra numpy call between two runs costs ~0.1 ms on a small CPU.
-            logits = _argmax_ready(_host(raw)[:, -1:] if last else _host(raw)[:, skip:])
-            ids = logits.argmax(axis=-1)
-            if ids.size == 1:
-                finite = math.isfinite(logits.flat[int(ids.flat[0])])
+            keys = host_argmax.order_keys(_host(raw)[:, -1:] if last else _host(raw)[:, skip:])
+            ids = host_argmax.argmax(keys)
+            if ids.size == 1 and keys.dtype != np.int16:  # a CPU step: the fewest numpy calls
+                finite = math.isfinite(keys.flat[int(ids.flat[0])])
             else:
-                finite = bool(np.isfinite(np.take_along_axis(logits, ids[..., None], -1)).all())
+                finite = host_argmax.picked_finite(keys, ids)
             if not finite:
                 raise self._not_finite()
-            return ids.astype(np.int64, copy=False)
+            return ids
         ids, sums, _ = head.run(_value(raw), _NO_ROWS)
         # The positions the caller gets only, as on the host path: a prefill's earlier
         # positions (and a two-row step's re-fed one) are not used, and may overflow on their own.
@@ -1143,8 +1137,9 @@ class OrtModel:
             else:
                 ids[~valid] = -1
         else:
-            host = _argmax_ready(_host(logits)[:, skip:])
-            if not math.isfinite(float(host[valid].sum(dtype=np.float64))):
+            host = _host(logits)[:, skip:]
+            keys = host_argmax.order_keys(host)
+            if not host_argmax.finite_at(keys, valid):
                 raise self._not_finite()
             # Row by row over the fed positions only (views: no copy of the logits); with
             # `last`, only each row's last position (a prefill's others are not argmaxed).
@@ -1152,10 +1147,10 @@ class OrtModel:
             for i in np.flatnonzero(greedy):
                 n = int(new_lens[i])
                 if last:
-                    ids[i, 0] = np.argmax(host[i, n - 1])
+                    ids[i, 0] = np.argmax(keys[i, n - 1])
                 else:
-                    ids[i, :n] = np.argmax(host[i, :n], axis=-1)
-            kept = host[~greedy] if not greedy.all() else host[:0]
+                    ids[i, :n] = np.argmax(keys[i, :n], axis=-1)
+            kept = host_argmax.floats(host[~greedy] if not greedy.all() else host[:0])
         ids[~greedy] = -1
         return ids, kept
 

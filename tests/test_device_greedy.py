@@ -165,16 +165,33 @@ def test_device_argmax_refuses_nan_logits(tiny_pair_dir: Path) -> None:
         on.target.forward_argmax(cache, np.asarray([[1, 2, 3]], np.int64))
 
 
-def test_fp16_host_logits_argmax_as_float32() -> None:
-    """Blocks of an fp16 model take numpy's argmax on the host (the head takes one position):
-    converted to float32 first, the same ids, ties to the lowest as before."""
-    rng = np.random.default_rng(5)
-    logits = rng.integers(-3, 4, (2, 5, 300)).astype(np.float16) / np.float16(4)  # many ties
-    ready = backend._argmax_ready(logits)
-    assert ready.dtype == np.float32
-    assert np.array_equal(ready.argmax(-1), logits.argmax(-1))
-    same = np.zeros((1, 3), np.float32)
-    assert backend._argmax_ready(same) is same
+def test_fp16_host_logits_take_the_float_argmax(concat_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks and batches of an fp16 model argmax host logits on order keys
+    (`runtime/host_argmax`): the ids of the float32 argmax, ties to the lowest, and float32
+    logits for the rows that sample; NaN refused as before."""
+    pair = Pair.load(concat_dir)
+    model = pair.target
+    tied = (np.random.default_rng(5).integers(-3, 4, (3, 3, pair.manifest.vocab_size))
+            .astype(np.float16) / np.float16(4))  # many ties
+    valid = np.asarray([[1, 1, 1], [1, 1, 0], [1, 0, 0]], bool)
+    monkeypatch.setattr(model, "_rows_step", lambda *a: (tied.copy(), valid, 0))
+    monkeypatch.setattr(model, "_step", lambda *a: (tied.copy(), 0))
+    greedy = np.asarray([True, False, True])
+    tokens = np.zeros((3, 3), np.int64)
+    ids, kept = model.forward_rows_greedy(None, np.arange(3), tokens,  # type: ignore[arg-type]
+                                          valid.sum(1), greedy)
+    want = tied.astype(np.float32).argmax(-1)
+    assert np.array_equal(ids[greedy][valid[greedy]], want[greedy][valid[greedy]])
+    assert kept.dtype == np.float32 and np.array_equal(kept, tied[~greedy].astype(np.float32))
+    assert np.array_equal(model.forward_argmax(None, tokens), want)  # type: ignore[arg-type]
+    tied[1, 2, 7] = np.float16("nan")  # an unfed position: not judged by the rows path
+    model.forward_rows_greedy(None, np.arange(3), tokens, valid.sum(1), greedy)  # type: ignore[arg-type]
+    tied[1, 1, 7] = -np.float16("nan")  # a fed one, a negative NaN (ordered below -inf)
+    with pytest.raises(ModelError, match="NaN or inf"):
+        model.forward_rows_greedy(None, np.arange(3), tokens, valid.sum(1), greedy)  # type: ignore[arg-type]
+    with pytest.raises(ModelError, match="NaN or inf"):
+        model.forward_argmax(None, tokens)  # type: ignore[arg-type]
 
 
 def test_the_head_takes_one_position_calls_by_default(tiny_pair_dir: Path, tiny_pair: Pair,

@@ -1,0 +1,65 @@
+"""Host time of a greedy batched round's argmax on fp16 logits: the float32 path (convert, a
+float64 finiteness sum, argmax) against order keys (`runtime/host_argmax`), on logits shaped as
+a batch verifies them: B rows x (K+1) positions x the vocabulary.
+
+    python benchmarks/host_argmax.py [--vocab 152064,49152] [--shapes 1x1,1x4,8x1,8x3,16x5]
+
+The GPU runs (docs/results/gpu_findings.md) copy fp16 logits of blocks, prefills and batches
+to the host; this is the host's share of such a round. CPU only, no model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import numpy as np
+
+from specedge.runtime import host_argmax
+
+
+def float32_path(logits: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """What the runtime did before order keys."""
+    host = logits.astype(np.float32)
+    if not math.isfinite(float(host[valid].sum(dtype=np.float64))):
+        raise ValueError("not finite")
+    return host.argmax(-1)
+
+
+def keys_path(logits: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    keys = host_argmax.order_keys(logits)
+    if not host_argmax.finite_at(keys, valid):
+        raise ValueError("not finite")
+    return host_argmax.argmax(keys)
+
+
+def best_ms(fn: object, *args: object, reps: int = 15) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(*args)  # type: ignore[operator]
+        times.append(time.perf_counter() - t)
+    return 1000 * min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", default="152064,49152")
+    ap.add_argument("--shapes", default="1x1,1x4,8x1,8x3,16x5", help="BxP: rows x positions")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    print("| vocabulary | B x positions | float32 path ms | order keys ms | speed-up |")
+    print("|---|---|---|---|---|")
+    for vocab in (int(v) for v in args.vocab.split(",")):
+        for shape in args.shapes.split(","):
+            b, p = (int(x) for x in shape.split("x"))
+            logits = (rng.standard_normal((b, p, vocab)) * 4).astype(np.float16)
+            valid = np.ones((b, p), bool)
+            assert np.array_equal(float32_path(logits, valid), keys_path(logits, valid))
+            old, new = best_ms(float32_path, logits, valid), best_ms(keys_path, logits, valid)
+            print(f"| {vocab} | {b} x {p} | {old:.2f} | {new:.2f} | {old / new:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
