@@ -353,6 +353,9 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, plan: DecodePlan,
     decoder = BatchDecoder(target, draft, plan, capacity=len(requests), max_len=max_len,
                            compact=compact, tuner=tuner)
     rows = [decoder.add(r) for r in requests]
+    start = time.perf_counter()  # decoding starts once every row is prefilled: a row's
+    for row in rows:  # decode_s leaves out the prefills of the rows after it
+        row.started = start
     while decoder.live:
         decoder.step()
     return rows, decoder.totals
