@@ -840,7 +840,11 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
     """Aggregate tok/s of batched target-only, fixed K and adaptive K at each B (interleaved on
     the same batch), greedy rows against batch-1 target-only, and verify(B x (K+1)) /
     verify(B x 1)."""
-    from specedge.runtime.batch_bench import measure_batch_costs, time_rows_call
+    from specedge.runtime.batch_bench import (
+        measure_batch_costs,
+        time_host_greedy,
+        time_rows_call,
+    )
     from specedge.runtime.pair import GenerationConfig
 
     # The KV cache on the device (the GPU default); the CPU smoke runs that same code path.
@@ -909,6 +913,10 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
                           "equal_to_batch1": sum(o == a for o, a in zip(outs, alone,
                                                                         strict=False))}
         costs = measure_batch_costs(pair, batch, plan.batch_ks, reps=3 if plan.smoke else 5)
+        for s in sorted({1, *(k + 1 for k in plan.batch_ks)}):  # the host's greedy share
+            costs[f"host_{s}"] = time_host_greedy(batch, s, pair.target.logits_size,
+                                                  pair.target.spec.logits_dtype,
+                                                  reps=3 if plan.smoke else 5)
         if graphed is not None:  # warm-up and capture runs first: reps to spare
             step = guarded(result, f"the draft step on CUDA graphs at B={batch}",
                            time_rows_call, graphed, batch, 1, pair.manifest.vocab_size,

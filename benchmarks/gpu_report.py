@@ -125,7 +125,9 @@ def batch_predicted(data: dict[str, Any], name: str) -> list[dict[str, Any]]:
     pair's acceptance at that B and K: (1 + K x acceptance) x verify(B x 1) /
     (K x draft_step(B) + verify(B x (K+1))) (tokens per round per row, accepted drafts plus the
     corrected or bonus token, over the cost of a round against a target-only step). Once per
-    draft step measured: plain runs, and replayed from CUDA graphs (a gqa-shared draft)."""
+    draft step measured: plain runs, and replayed from CUDA graphs (a gqa-shared draft). Where
+    the check measured it, each verify carries the host's greedy work on its logits
+    (`host_S`: the finiteness check and the argmaxes of B x S positions)."""
     ref = data.get("batch-reference", {}).get("rows", {})
     rows = []
     for batch, r in data.get(f"batch-{name}", {}).get("rows", {}).items():
@@ -139,10 +141,11 @@ def batch_predicted(data: dict[str, Any], name: str) -> list[dict[str, Any]]:
                 if verify is None or step is None or not costs.get("verify_1"):
                     continue
                 rate = v.get("acceptance") or 0.0
+                plain = costs["verify_1"] + costs.get("host_1", 0.0)
+                verify += costs.get(f"host_{k + 1}", 0.0)
                 rows.append({"batch": int(batch), "k": k, "reference_acceptance": rate,
                              "draft": how,
-                             "predicted_speedup": (1 + k * rate) * costs["verify_1"]
-                             / (k * step + verify)})
+                             "predicted_speedup": (1 + k * rate) * plain / (k * step + verify)})
     return rows
 
 
@@ -250,6 +253,14 @@ def batching_markdown(data: dict[str, Any], smoke: bool) -> list[str]:
             out.append(f"| {batch} | {_f(base.get('tokens_per_s'))} | {ratio} | "
                        f"{draft} | {pred or '–'} | "
                        f"{base.get('equal_to_batch1', '–')}/{batch} |")
+        hosts = [f"B={b} " + ", ".join(f"{1000 * v:.2f}" for k, v in sorted(
+                     r.get("costs", {}).items()) if k.startswith("host_"))
+                 for b, r in sorted(shaped.get("rows", {}).items(), key=lambda kv: int(kv[0]))
+                 if any(k.startswith("host_") for k in r.get("costs", {}))]
+        if hosts:
+            out.append("- Each verify in the prediction carries the host's greedy work on its "
+                       "logits (finiteness check and argmaxes; ms for S = 1, K+1...: "
+                       + "; ".join(hosts) + ").")
         out += [f"- {n}" for n in shaped.get("notes", [])]
     if smoke:
         out.append("- CPU smoke run: tiny fixture pairs, not GPU figures.")

@@ -1141,15 +1141,7 @@ class OrtModel:
             keys = host_argmax.order_keys(host)
             if not host_argmax.finite_at(keys, valid):
                 raise self._not_finite()
-            # Row by row over the fed positions only (views: no copy of the logits); with
-            # `last`, only each row's last position (a prefill's others are not argmaxed).
-            ids = np.full((len(greedy), 1) if last else tokens.shape, -1, np.int64)
-            for i in np.flatnonzero(greedy):
-                n = int(new_lens[i])
-                if last:
-                    ids[i, 0] = np.argmax(keys[i, n - 1])
-                else:
-                    ids[i, :n] = np.argmax(keys[i, :n], axis=-1)
+            ids = host_argmax.rows_argmax(keys, greedy, new_lens, last=last)
             kept = host_argmax.floats(host[~greedy] if not greedy.all() else host[:0])
         ids[~greedy] = -1
         return ids, kept

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from . import host_argmax
 from .errors import InputError, listed
 from .pair import GenerationConfig, Pair
 
@@ -107,6 +108,26 @@ def time_rows_call(model: Any, batch: int, new: int, vocab: int, past_len: int =
         cache.lengths[:] = past_len
         t0 = time.perf_counter()
         model.forward_rows(cache, rows, rng.integers(0, vocab, (batch, new)), np.full(batch, new))
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
+
+
+def time_host_greedy(batch: int, width: int, vocab: int, dtype: str = "float16",
+                     reps: int = 9, seed: int = 0) -> float:
+    """Median seconds of the host's share of a greedy batched call once its logits are on
+    the host (what `OrtModel.forward_rows_greedy` does there: the finiteness check and each
+    row's argmax), on random logits `[batch, width, vocab]` of `dtype`."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((batch, width, vocab)) * 4).astype(dtype)
+    valid = np.ones((batch, width), bool)
+    greedy, lens = np.ones(batch, bool), np.full(batch, width)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        keys = host_argmax.order_keys(logits)
+        if not host_argmax.finite_at(keys, valid):
+            raise AssertionError("random logits are finite")
+        host_argmax.rows_argmax(keys, greedy, lens)
         times.append(time.perf_counter() - t0)
     return float(statistics.median(times))
 

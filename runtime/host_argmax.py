@@ -34,6 +34,21 @@ def argmax(keys: np.ndarray) -> np.ndarray:
     return keys.argmax(axis=-1).astype(np.int64, copy=False)
 
 
+def rows_argmax(keys: np.ndarray, greedy: np.ndarray, new_lens: np.ndarray, *,
+                last: bool = False) -> np.ndarray:
+    """The argmax at each fed position (the first `new_lens[i]`) of each greedy row, -1
+    elsewhere: `[rows, width]` int64, or `[rows, 1]` with `last` (each row's last fed position
+    only: a prefill's others are not argmaxed). Row by row over views: no copy of the logits."""
+    ids = np.full((len(greedy), 1) if last else keys.shape[:2], -1, np.int64)
+    for i in np.flatnonzero(greedy):
+        n = int(new_lens[i])
+        if last:
+            ids[i, 0] = np.argmax(keys[i, n - 1])
+        else:
+            ids[i, :n] = np.argmax(keys[i, :n], axis=-1)
+    return ids
+
+
 def picked_finite(keys: np.ndarray, ids: np.ndarray) -> bool:
     """numpy's float rule for `argmax(keys)`: the picked values are finite. (Its argmax picks
     a NaN or a +inf wherever there is one; a negative NaN, which the keys order below -inf, is

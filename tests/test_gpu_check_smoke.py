@@ -50,3 +50,6 @@ def test_cpu_smoke_runs_every_phase(tmp_path: Path, fixtures_dir: Path) -> None:
     assert all(r["K=2, draft graphs"]["equal_to_batch1"] == int(b) for b, r in reference.items())
     # its draft's steps timed plain and on fixed buffers (CUDA graphs on a GPU)
     assert all({"draft_step", "draft_step_graph"} <= set(r["costs"]) for r in shaped.values())
+    # and the host's greedy share of a call, which the predicted bar adds to each verify
+    assert all({"host_1", "host_3"} <= set(r["costs"]) for r in shaped.values())
+    assert "host's greedy work" in (tmp_path / "out" / "gpu_cpu_smoke.md").read_text()
