@@ -47,6 +47,18 @@ def test_order_keys_give_numpys_float_argmax(logits: np.ndarray) -> None:
     assert host_argmax.finite_at(keys, valid) == want_all
 
 
+@settings(max_examples=200, deadline=None)
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 3),
+                                        st.integers(1, 20)),
+                  elements=st.floats(width=32, allow_nan=True, allow_infinity=True)),
+       st.integers(0, 2**9 - 1))
+def test_float32_finiteness_at_the_fed_positions(logits: np.ndarray, mask: int) -> None:
+    valid = np.asarray([(mask >> i) & 1 for i in range(logits.shape[0] * logits.shape[1])],
+                       bool).reshape(logits.shape[:2])
+    want = bool(np.isfinite(logits[valid]).all())
+    assert host_argmax.finite_at(host_argmax.order_keys(logits), valid) == want
+
+
 def test_float32_logits_are_used_as_they_are() -> None:
     logits = np.asarray([[[0.5, 2.0, 2.0, -np.inf]]], np.float32)
     keys = host_argmax.order_keys(logits)
