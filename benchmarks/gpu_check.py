@@ -561,7 +561,7 @@ def variants(plan: Plan) -> dict[str, dict[str, Any]]:
     SessionConfig fields. On CUDA: CUDA graphs on (default off). On the CPU smoke, the same
     code paths: fixed buffers (CUDA graphs without the capture) and the argmax on the device
     (default: on the host)."""
-    from specedge.runtime.backend import SessionConfig
+    from specedge.runtime.sessions import SessionConfig
 
     names = {f.name for f in dataclasses.fields(SessionConfig)}
     if plan.provider == "cuda":

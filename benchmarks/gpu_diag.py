@@ -73,11 +73,11 @@ def greedy(new: int, k: int | None, adaptive: bool = False) -> Any:
 
 
 def phase_profile(plan: gc.Plan) -> None:
-    from specedge.runtime import backend
+    from specedge.runtime import sessions
 
     prof_dir = plan.work / "profiles"
     prof_dir.mkdir(parents=True, exist_ok=True)
-    plain = backend._session_options
+    plain = sessions.session_options
 
     def profiled(config: Any) -> Any:
         options = plain(config)
@@ -85,7 +85,7 @@ def phase_profile(plan: gc.Plan) -> None:
         options.profile_file_prefix = str(prof_dir / f"p{time.monotonic_ns()}")
         return options
 
-    backend._session_options = profiled  # type: ignore[assignment]
+    sessions.session_options = profiled  # type: ignore[assignment]
     result: dict[str, Any] = {}
     for label, info, cfg in (("gqa-shared fp16, K=3", reference(plan), greedy(32, 3)),
                              ("concat fp32, device KV, target-only", concat_reference(plan),
@@ -105,7 +105,7 @@ def phase_profile(plan: gc.Plan) -> None:
         except Exception as exc:  # reported, the other pair still runs
             result[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         gc.write_part(plan, "diag-profile", result)
-    backend._session_options = plain  # type: ignore[assignment]
+    sessions.session_options = plain  # type: ignore[assignment]
     for label, models in result.items():
         for name, s in models.items():
             if isinstance(s, dict):
@@ -218,7 +218,7 @@ def phase_rounds(plan: gc.Plan) -> None:
 def phase_exact(plan: gc.Plan) -> None:
     import numpy as np
 
-    from specedge.runtime.backend import KVCache
+    from specedge.runtime.kvcache import KVCache
     from specedge.runtime.pair import Pair
 
     info = reference(plan)

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from specedge.runtime.backend import SessionConfig, physical_cores
 from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
+from specedge.runtime.sessions import SessionConfig, physical_cores
 
 PROMPTS = ["Write a short story about a robot learning to paint.",
            "Explain how a hash table works.",

@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from specedge.runtime.backend import OrtModel, SessionConfig
+from specedge.runtime.backend import OrtModel
 from specedge.runtime.errors import InputError
 from specedge.runtime.pair import Pair
 from specedge.runtime.prompts import read_text_file
+from specedge.runtime.sessions import SessionConfig
 
 BUILTIN_TEXTS = (
     "The river runs through the old town, under seven stone bridges built over four centuries. "

@@ -174,8 +174,8 @@ def read_chat_template(file: Path) -> str:
         InputError: the file is missing, unreadable, not UTF-8, empty or not a jinja template.
     """
     import jinja2
-    import jinja2.ext
-    import jinja2.sandbox
+
+    from specedge.runtime import chat_template
 
     where = f"--chat-template {file}"
     try:
@@ -190,11 +190,8 @@ def read_chat_template(file: Path) -> str:
         raise InputError(f"{where}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     if not text.strip():
         raise InputError(f"{where}: the file is empty")
-    # The environment the runtime renders templates in (runtime/text.py), less its limits.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     try:
-        env.parse(text)
+        chat_template.environment().parse(text)  # the sandbox the runtime renders it in
     except jinja2.TemplateSyntaxError as exc:
         raise InputError(f"{where}: not a valid jinja template (line {exc.lineno}: "
                          f"{exc.message})") from None

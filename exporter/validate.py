@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from specedge.runtime.backend import OrtModel, SessionConfig
+from specedge.runtime.backend import OrtModel
 from specedge.runtime.errors import ExportError, InputError
 from specedge.runtime.manifest import ModelSpec
+from specedge.runtime.sessions import SessionConfig
 
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
 FP16_RELATIVE = 1e-2  # fp16: max |Δ| may reach 1% of the largest |logit| (about 10 fp16 steps)

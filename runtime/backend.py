@@ -1,23 +1,18 @@
 """ONNX Runtime backend: "run these new tokens against this cache, give logits".
 
-One `OrtModel` wraps one InferenceSession (shared by every generation that uses the pair); each
-generation owns its `KVCache`. For the `gqa-shared` graph form (ONNX Runtime GenAI's
-GroupQueryAttention graphs) the cache is one preallocated `[batch, kv_heads, max_len, head_dim]`
-OrtValue per layer and tensor, bound with IO binding as *both* past input and present output: the
-model writes the new keys/values in place, nothing is copied, and rollback is setting a shorter
-length (the attention mask says how many cached positions are valid). On CUDA the buffers live on
-the device. The `concat` form (standard ops, `present = concat(past, new)`) copies the valid part
-of the cache each call; it exists for graphs the GQA builder cannot produce.
+One `OrtModel` wraps one InferenceSession (started by `runtime/sessions`, shared by every
+generation that uses the pair); each generation owns its `KVCache` (`runtime/kvcache`). The
+gqa-shared form (ONNX Runtime GenAI's GroupQueryAttention graphs) writes new keys and values into
+the cache in place, through IO binding; the concat form (standard ops, `present = concat(past,
+new)`) copies the valid part of the cache each call; it exists for graphs the GQA builder cannot
+produce and for batches.
 
-On a GPU only what the host needs leaves the device. Greedy verification (`forward_argmax`,
-`forward_rows_greedy`) runs a tiny shipped graph (`GreedyHead`, `data/greedy_head_*.onnx`) on the
-logits where the model wrote them and copies back token ids (and the logits rows of sampled rows
-only). With `SessionConfig.cuda_graph` every step of up to `MAX_FIXED_WIDTH` tokens runs on buffers
-fixed per cache and width (`FixedBuffers`: the attention mask spans the whole cache, so its shape
-never changes), each width is captured once as a CUDA graph (`gpu_graph_id`, after
-`GRAPH_WARMUP_RUNS` plain runs at its shapes) and replayed, and the buffers are pooled per (rows,
-length) so later generations replay the same graphs. Both give the tokens of the plain path; on the
-CPU both run too (tests), without capture.
+On a GPU only what the host needs leaves the device. Greedy one-position steps run the greedy head
+(`runtime/greedy_head`) on the logits where the model wrote them and copy back token ids (and the
+logits of sampled rows only); blocks, prefills and batches copy their logits to the host's argmax
+(`runtime/host_argmax`). With `SessionConfig.cuda_graph` every step of up to `MAX_FIXED_WIDTH`
+tokens runs on the cache's fixed buffers and replays a CUDA graph per width. Both give the tokens
+of the plain path; on the CPU both run too (tests), without capture.
 
 The model files are untrusted: before ONNX Runtime opens a model, the external-data files the
 ONNX protobuf names are read from it (`external_data_files`) and must be files the manifest lists
@@ -38,12 +33,6 @@ import itertools
 import logging
 import math
 import os
-import re
-import resource
-import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -51,510 +40,28 @@ import numpy as np
 import onnxruntime as ort
 
 from . import host_argmax
-from .device_kv import DeviceKV, KVOps, zero_fill
+from .device_kv import DeviceKV, KVOps
 from .errors import InputError, ManifestError, ModelError
+from .greedy_head import GreedyHead
+from .kvcache import MAX_FIXED_WIDTH, FixedBuffers, KVCache
 from .manifest import MANIFEST_NAME, ModelSpec, confine
 from .onnx_file import external_data_files
 from .rowprobe import RowProbe
+from .sessions import (
+    NO_GRAPH_OPTIONS,
+    NP_DTYPES,
+    SessionConfig,
+    cuda_attention_problem,
+    helper_config,
+    provider_chain,
+    session_options,
+    start_session,
+)
 from .shortlist import SplitHead
 
-PROVIDERS = {
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "tensorrt": "TensorrtExecutionProvider",
-}
-_NP_DTYPES: dict[str, type[np.generic]] = {"float32": np.float32, "float16": np.float16}
-THREADS_PER_CORE = 4  # more intra-op threads than this per core only adds contention
 log = logging.getLogger(__name__)
 
-# ONNX Runtime's own log: 0 verbose .. 3 error, 4 fatal. Its messages duplicate the one-line
-# errors specedge raises, so they are off unless asked for (`specedge -v`, `set_log_severity`).
-_log_severity = 4
-
-
-def set_log_severity(severity: int) -> None:
-    """ONNX Runtime's log level for sessions created from now on (0 verbose .. 4 fatal only)."""
-    global _log_severity
-    _log_severity = max(0, min(4, int(severity)))
-    ort.set_default_logger_severity(_log_severity)
-
-
-def max_threads() -> int:
-    """The most intra-op threads a session may have: a small multiple of the usable cores."""
-    return THREADS_PER_CORE * physical_cores()
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    """How one model's ONNX Runtime session is created.
-
-    Attributes:
-        provider: "cpu", "cuda" or "tensorrt".
-        intra_op_threads: threads for one operator; 0 lets ONNX Runtime pick (all cores).
-        allow_spinning: whether idle intra-op threads busy-wait. Two sessions that run one after
-            the other on the same cores must not spin, or the idle one steals the busy one's cores.
-        graph_optimization: "all", "extended", "basic" or "disable".
-        device_id: GPU ordinal for CUDA / TensorRT.
-        trt_cache_dir: where the TensorRT EP keeps its engine cache (inside the pair folder).
-        shared_pool: run on the process-wide ONNX Runtime thread pool (created on first use
-            with `intra_op_threads` threads) instead of a pool per session. Sessions that take
-            turns on the same cores then share one set of spinning threads and never fight.
-        device_argmax: greedy verification takes the argmax where the logits are (the shipped
-            `data/greedy_head_*.onnx` graph on the model's provider) and copies only token ids
-            to the host. None: on for cuda / tensorrt, off for cpu (there the logits are on the
-            host already, and the extra session run costs more than numpy's argmax saves).
-            The tokens are the same either way (ties go to the lowest id, as numpy's argmax).
-        cuda_graph: capture each fixed-width step of a gqa-shared model as a CUDA graph and
-            replay it (the CUDA EP's `enable_cuda_graph`; one graph per block width and cache,
-            run option `gpu_graph_id`). Needs provider "cuda"; implies `fixed_buffers`.
-        fixed_buffers: bind every input and output of a step to buffers preallocated per cache
-            and width, and the attention mask at the cache's full length (the fixed addresses and
-            shapes a CUDA graph replays). Implied by `cuda_graph`; on its own it runs the same
-            steps without graphs (how the CPU tests check the layout token for token).
-        device_kv: keep a concat-form model's KV cache on its device and move rows there
-            (`runtime/device_kv`); None: on for cuda / tensorrt, off for cpu (where numpy
-            gathers and scatters the rows without extra session runs). The tokens are the same
-            either way. gqa-shared caches are on the device always.
-        tf32: let the CUDA EP run float32 matrix products in TF32 (tensor cores, ~10-bit
-            mantissa: faster, but a verification block and a decode step can round a near-tie
-            differently, so greedy speculation may differ from target-only). Off by default:
-            exactness first; fp16 models are not affected.
-        split_head: where the exporter split the model's head off its body (manifest `head`),
-            run the body and take greedy argmaxes from the int8 shortlist (`runtime/shortlist`)
-            and logits from the head alone. Used on the CPU with gqa-shared models on plain
-            buffers (elsewhere the whole graph runs); False always runs the whole graph.
-    """
-
-    provider: str = "cpu"
-    intra_op_threads: int = 0
-    allow_spinning: bool = True
-    graph_optimization: str = "all"
-    device_id: int = 0
-    trt_cache_dir: str | None = None
-    shared_pool: bool = False
-    device_argmax: bool | None = None
-    cuda_graph: bool = False
-    fixed_buffers: bool = False
-    device_kv: bool | None = None
-    tf32: bool = False
-    split_head: bool = True
-
-    def __post_init__(self) -> None:
-        if self.provider not in PROVIDERS:
-            raise InputError(
-                f"unknown execution provider {self.provider!r}; use one of "
-                f"{', '.join(PROVIDERS)}"
-            )
-        if self.cuda_graph and self.provider != "cuda":
-            raise InputError(
-                f"cuda_graph needs provider 'cuda' (CUDA graphs are the CUDA execution "
-                f"provider's), but this session's provider is {self.provider!r}; drop "
-                "cuda_graph or use provider 'cuda'"
-            )
-        if self.intra_op_threads < 0:
-            raise InputError(f"threads must be >= 0, got {self.intra_op_threads}")
-        if self.intra_op_threads > max_threads():
-            # From a manifest written on a bigger machine, or from an API caller: thousands of
-            # threads on a few cores only cost memory and time.
-            log.warning("%d intra-op threads asked for, more than %d x the %d cores this "
-                        "process may use: using %d", self.intra_op_threads, THREADS_PER_CORE,
-                        physical_cores(), max_threads())
-            object.__setattr__(self, "intra_op_threads", max_threads())
-        if self.graph_optimization not in ("all", "extended", "basic", "disable"):
-            raise InputError(f"unknown graph optimization level {self.graph_optimization!r}")
-
-    @property
-    def device(self) -> str:
-        return "cpu" if self.provider == "cpu" else "cuda"
-
-    @property
-    def argmax_on_device(self) -> bool:
-        """Whether greedy verification runs the greedy head where the logits are."""
-        return self.provider != "cpu" if self.device_argmax is None else self.device_argmax
-
-    @property
-    def kv_on_device(self) -> bool:
-        """Whether a concat-form model's KV cache lives on its device (`device_kv`)."""
-        return self.provider != "cpu" if self.device_kv is None else self.device_kv
-
-    @property
-    def fixed(self) -> bool:
-        """Whether steps run on fixed preallocated buffers (always with CUDA graphs)."""
-        return self.fixed_buffers or self.cuda_graph
-
-
-def physical_cores() -> int:
-    """Cores this process may use (affinity-aware)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
-
-
-_global_pool_threads: int | None = None
-
-
-def global_pool_active() -> bool:
-    """Whether this process runs ONNX Runtime sessions on the process-wide thread pool (then
-    every later session must join it)."""
-    return _global_pool_threads is not None
-
-
-def _ensure_global_pool(threads: int) -> int:
-    """Create the process-wide intra-op pool once (later calls reuse it, whatever they ask)."""
-    global _global_pool_threads
-    if _global_pool_threads is None:
-        from onnxruntime.capi import _pybind_state
-
-        _pybind_state.set_global_thread_pool_sizes(threads or physical_cores(), 1)
-        _global_pool_threads = threads or physical_cores()
-    return _global_pool_threads
-
-
-def _session_options(config: SessionConfig) -> ort.SessionOptions:
-    ort.set_default_logger_severity(_log_severity)
-    so = ort.SessionOptions()
-    if config.shared_pool or _global_pool_threads is not None:
-        # Once the process-wide pool exists ONNX Runtime refuses per-session pools, so every
-        # later session joins it (explicit thread counts are then ignored, and logged).
-        if not config.shared_pool and config.intra_op_threads:
-            log.warning("intra_op_threads=%d ignored: this process already runs ONNX Runtime "
-                        "sessions on the shared %d-thread pool", config.intra_op_threads,
-                        _global_pool_threads)
-        _ensure_global_pool(config.intra_op_threads)
-        so.use_per_session_threads = False
-    else:
-        so.intra_op_num_threads = config.intra_op_threads
-        so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = {
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-    }[config.graph_optimization]
-    so.add_session_config_entry("session.intra_op.allow_spinning",
-                                "1" if config.allow_spinning else "0")
-    so.log_severity_level = _log_severity
-    return so
-
-
-def _providers(config: SessionConfig) -> list[Any]:
-    available = ort.get_available_providers()
-    name = PROVIDERS[config.provider]
-    if name not in available:
-        raise InputError(
-            f"execution provider {config.provider!r} ({name}) is not available in this "
-            f"onnxruntime build (available: {', '.join(available)}); install onnxruntime-gpu "
-            "for cuda/tensorrt, or use --providers cpu"
-        )
-    if config.provider == "cpu":
-        return ["CPUExecutionProvider"]
-    cuda = ("CUDAExecutionProvider", cuda_provider_options(config))
-    if config.provider == "cuda":
-        return [cuda, "CPUExecutionProvider"]
-    trt_opts: dict[str, Any] = {"device_id": config.device_id, "trt_fp16_enable": True}
-    if config.trt_cache_dir:
-        trt_opts.update(trt_engine_cache_enable=True, trt_engine_cache_path=config.trt_cache_dir,
-                        trt_timing_cache_enable=True)
-    return [("TensorrtExecutionProvider", trt_opts), cuda, "CPUExecutionProvider"]
-
-
-def fallback_message(asked: str, ran_on: Sequence[str], what: str, reason: str = ""
-                     ) -> tuple[bool, str] | None:
-    """What to say when ONNX Runtime started a session for `what` on other providers than
-    `asked` (it falls back without an error when a GPU provider's libraries or driver do not
-    load): (True, message) when it would run on the CPU instead of the GPU asked for, an error;
-    (False, message) when TensorRT fell back to CUDA, a warning; None when the asked provider
-    runs. One line each, naming the command that shows what is missing; `reason`, when known,
-    is the provider's own first error line."""
-    name = PROVIDERS[asked]
-    if asked == "cpu" or name in ran_on:
-        return None
-    why = f" ({reason[:200]})" if reason else ""
-    doctor = f"run `specedge doctor --providers {asked}` to see what is missing"
-    if asked == "tensorrt" and PROVIDERS["cuda"] in ran_on:
-        return False, f"{what}: TensorRT did not start here{why}, so it runs on CUDA; {doctor}"
-    return True, (f"{what}: {name} was asked for, but ONNX Runtime could not start it{why} and "
-                  f"fell back to {', '.join(ran_on) or 'nothing'}; {doctor} (the NVIDIA driver, "
-                  "CUDA or cuDNN libraries), or use --providers cpu")
-
-
-def cuda_attention_problem(spec: ModelSpec, config: SessionConfig) -> tuple[bool, str] | None:
-    """Whether a gqa-shared model of float32 activations can run on `config`'s CUDA provider:
-    ONNX Runtime's CUDA GroupQueryAttention takes float16 and bfloat16 only, so its attention
-    (and the whole KV cache, every call) would go to the CPU. (True, message): an error (CUDA
-    graphs cannot capture a graph split between devices); (False, message): a warning; None:
-    fine. One line, naming the export that fixes it."""
-    if config.provider != "cuda" or spec.graph != "gqa-shared" or spec.kv.dtype != "float32":
-        return None
-    fix = ("export it for the GPU (`specedge export ... --provider cuda --precision fp16`, e.g. "
-           "models/smollm2-135m-gpu.sh) or run it with --providers cpu")
-    if config.cuda_graph:
-        return True, (f"{spec.path}: CUDA graphs need every node on the GPU, but this fp32 "
-                      "model's GroupQueryAttention has no CUDA kernel (fp16/bf16 only); " + fix)
-    return False, (f"{spec.path}: this fp32 model's GroupQueryAttention has no CUDA kernel "
-                   "(fp16/bf16 only), so its attention and KV cache cross to the CPU on every "
-                   "call (slow); " + fix)
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an ONNX Runtime error, without its C++ source location and function
-    signature (`/onnxruntime_src/...cc:729 void f(A&, B&) Please install ...`)."""
-    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return re.sub(r"^\S+\.(?:cc|cpp|h):\d+ .*?\) ", "", line)[:300]
-
-
-def start_session(path: Path, config: SessionConfig, what: str, fix: str) -> ort.InferenceSession:
-    """An ONNX Runtime session of the graph at `path` for `what` on `config`'s provider.
-
-    ONNX Runtime's own fallback is off (it prints a banner to stdout and retries on other
-    providers); when a GPU provider fails to start, the rest of the provider chain is tried to
-    tell a provider that cannot start from a file that cannot load, and `fallback_message`
-    decides: a session on the CPU instead of the GPU asked for is an error, TensorRT falling
-    back to CUDA a warning.
-
-    Raises:
-        InputError: the GPU provider asked for does not start here.
-        ModelError: the graph does not load (`fix` says what to do).
-    """
-    chain = _providers(config)
-    options = _session_options(config)
-    reason = ""
-    try:
-        session = ort.InferenceSession(str(path), options, providers=chain, enable_fallback=0)
-    except Exception as exc:  # onnxruntime raises its own exception types
-        if len(chain) == 1:
-            raise ModelError(f"{path}: ONNX Runtime could not load {what} ({_first_line(exc)}); "
-                             f"{fix}") from None
-        reason = _first_line(exc)
-        try:
-            session = ort.InferenceSession(str(path), options, providers=chain[1:],
-                                           enable_fallback=0)
-        except Exception:  # the file itself, then: say what the first try said
-            raise ModelError(f"{path}: ONNX Runtime could not load {what} ({reason}); {fix}"
-                             ) from None
-    said = fallback_message(config.provider, session.get_providers(), what, reason)
-    if said is not None and said[0]:
-        raise InputError(said[1])
-    if said is not None:
-        log.warning("%s", said[1])
-    return session
-
-
-def helper_config(config: SessionConfig) -> SessionConfig:
-    """The session settings of the small shipped graphs that run beside a model on its device
-    (the greedy head, the KV gather / scatter): one thread (or the shared pool), no CUDA graphs
-    or fixed buffers, and the CUDA EP where the model runs on TensorRT (their shapes change every
-    call, and TensorRT would build an engine for each)."""
-    return replace(config, provider="cpu" if config.provider == "cpu" else "cuda",
-                   intra_op_threads=0 if global_pool_active() else 1, cuda_graph=False,
-                   fixed_buffers=False, device_argmax=False, device_kv=False)
-
-
-def cuda_provider_options(config: SessionConfig) -> dict[str, str]:
-    """The CUDA execution provider's options for `config` (strings, as ONNX Runtime takes)."""
-    # ONNX Runtime's CUDA EP defaults use_tf32 to on: float32 products then round their inputs
-    # to 10 mantissa bits, and near-ties of fp32 logits flip between call widths.
-    options = {"device_id": str(config.device_id), "use_tf32": "1" if config.tf32 else "0"}
-    if config.cuda_graph:
-        options["enable_cuda_graph"] = "1"
-    return options
-
-
-NO_GRAPH = -1  # gpu_graph_id of a run that is neither captured nor replayed (e.g. a prefill)
-
-
-def graph_run_options(graph_id: int | None) -> ort.RunOptions | None:
-    """Run options that tie a run to CUDA graph `graph_id` (>= 1), or keep it out of graph
-    capture (`NO_GRAPH`); None: no CUDA graphs, plain runs.
-
-    ONNX Runtime captures a graph on the first runs with a new id and replays it afterwards;
-    id 0 is its own default, so a session with graphs on always says which id a run is.
-    """
-    if graph_id is None:
-        return None
-    if graph_id != NO_GRAPH and graph_id < 1:
-        raise AssertionError(f"CUDA graph ids start at 1, got {graph_id}")
-    options = ort.RunOptions()
-    options.add_run_config_entry("gpu_graph_id", str(graph_id))
-    return options
-
-
-_NO_GRAPH_OPTIONS = graph_run_options(NO_GRAPH)
-
-
-# ----------------------------------------------------------------------------- model files
-
-
-def available_memory(device: str) -> int | None:
-    """Bytes this process can still allocate on `device` (None: unknown, e.g. a GPU)."""
-    if device != "cpu":
-        return None
-    avail: int | None = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-                break
-    except OSError:
-        pass
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit != resource.RLIM_INFINITY:
-        try:
-            used = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf(
-                "SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            used = 0
-        avail = min(avail if avail is not None else limit, max(0, limit - used))
-    return avail
-
-
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 26 else f"{n / (1 << 20):.1f} MiB"
-
-
-def _allocate_kv(model: OrtModel, batch: int, max_len: int
-                 ) -> tuple[np.ndarray | None, list[ort.OrtValue], DeviceKV | None]:
-    """A model's KV buffers for `batch` rows of `max_len` tokens: OrtValues on the model's
-    device (gqa-shared), or for the concat form one `DeviceKV` on the model's device
-    (`SessionConfig.kv_on_device`) or one host array `[2 x layers, batch, heads, max_len,
-    head_dim]` (the layers' keys, then their values, in `_kv_names` order).
-
-    Raises:
-        InputError: they would not fit the memory available.
-        ModelError: the allocation failed.
-    """
-    spec = model.spec
-    dtype = _NP_DTYPES[spec.kv.dtype]
-    shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
-    need = 2 * spec.num_layers * math.prod(shape) * np.dtype(dtype).itemsize
-    avail = available_memory(model.config.device)
-    if avail is not None and need > avail:
-        raise InputError(
-            f"the {model.name} model's KV cache needs {_gib(need)} ({batch} row(s) x "
-            f"{max_len} tokens) but {_gib(avail)} of memory is available; ask for fewer "
-            "new tokens (or rows), or free memory"
-        )
-    values: list[ort.OrtValue] = []
-    ops = model.kv_ops() if spec.graph == "concat" and model.config.kv_on_device else None
-    try:
-        if ops is not None:
-            return None, values, DeviceKV(
-                ops, layers=spec.num_layers, heads=spec.num_kv_heads,
-                head_dim=spec.head_dim, batch=batch, max_len=max_len, dtype=dtype,
-                device=model.config.device, device_id=model.config.device_id)
-        if spec.graph != "gqa-shared":  # every layer's keys, then values: [2 x layers, *shape]
-            return np.zeros((2 * spec.num_layers, *shape), dtype=dtype), values, None
-        for _ in range(2 * spec.num_layers):
-            value = ort.OrtValue.ortvalue_from_shape_and_type(
-                shape, dtype, model.config.device, model.config.device_id)
-            if model.config.device in ZERO_KV_DEVICES:
-                zero_fill(model.kv_ops(), value, model.config.device_id)
-            values.append(value)
-    except Exception as exc:  # MemoryError, onnxruntime's allocation failures
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise ModelError(
-            f"the {model.name} model: could not allocate its KV cache of {_gib(need)} "
-            f"({batch} row(s) x {max_len} tokens: {first}); ask for fewer new tokens (or "
-            "rows), or free memory"
-        ) from None
-    return None, values, None
-
-
-class KVCache:
-    """Preallocated KV buffers of one model for one generation, with a valid length per row.
-
-    Invariant: positions `[0, lengths[b])` of row b hold the keys/values of the tokens fed so
-    far; anything beyond is garbage that the attention mask hides. Rollback shortens `lengths`.
-
-    With fixed buffers (CUDA graphs) the buffers come from the model's pool and go back to it when
-    the cache is dropped, so the next generation replays the graphs captured on them.
-    """
-
-    def __init__(self, model: OrtModel, batch: int, max_len: int, *,
-                 fixed: bool | None = None) -> None:
-        spec = model.spec
-        if not 1 <= max_len <= spec.max_seq_len:
-            raise InputError(f"cache length {max_len} outside [1, {spec.max_seq_len}]")
-        self.model, self.batch, self.max_len = model, batch, max_len
-        self.lengths = np.zeros(batch, dtype=np.int64)
-        # The token fed at each position (a one-token step of a two-row model re-feeds one).
-        self.fed = np.zeros((batch, max_len), dtype=np.int64)
-        self.host: np.ndarray | None = None  # the concat form's cache in host memory
-        self.values: list[ort.OrtValue] = []
-        self.device_kv: DeviceKV | None = None
-        self._fixed: FixedBuffers | None = None
-        if model.config.fixed if fixed is None else fixed:
-            self._fixed = model._take_fixed(batch, max_len)
-            self.values = self._fixed.values
-        else:
-            self._allocate()
-        self._binding: Any = None
-        self._staging: dict[str, np.ndarray] = {}  # host concat form: reused per-call buffers
-        self._logits: dict[tuple[int, int, int], np.ndarray] = {}
-        # Logits OrtValues on the model's device for the last KEPT_LOGITS shapes (oldest first).
-        self._device_logits: dict[tuple[int, int, int], ort.OrtValue] = {}
-        self._bound_value: ort.OrtValue | None = None  # the one bound on _binding
-        self._bound: tuple[int, int, int] | None = None  # the logits shape bound on _binding
-
-    def device_logits(self, shape: tuple[int, int, int]) -> ort.OrtValue:
-        """An OrtValue on the model's device for logits of `shape`, the same one as the last
-        call of that shape (the next call of the shape overwrites it); the last `KEPT_LOGITS`
-        shapes are kept (a batch's rows and block widths vary)."""
-        value = self._device_logits.pop(shape, None)
-        if value is None:
-            cfg = self.model.config
-            value = ort.OrtValue.ortvalue_from_shape_and_type(
-                shape, _NP_DTYPES[self.model.spec.logits_dtype], cfg.device, cfg.device_id)
-        self._device_logits[shape] = value
-        while len(self._device_logits) > KEPT_LOGITS:
-            del self._device_logits[next(iter(self._device_logits))]
-        return value
-
-    def staging(self, name: str, elements: int) -> np.ndarray:
-        """A flat host buffer of at least `elements` KV elements, reused from call to call and
-        grown (by a quarter more) when a call needs more."""
-        buf = self._staging.get(name)
-        if buf is None or buf.size < elements:
-            size = max(elements, 0 if buf is None else buf.size + buf.size // 4, 1)
-            buf = self._staging[name] = np.empty(size, _NP_DTYPES[self.model.spec.kv.dtype])
-        return buf[:elements]
-
-    def _allocate(self) -> None:
-        self.host, self.values, self.device_kv = _allocate_kv(self.model, self.batch,
-                                                              self.max_len)
-
-    def __del__(self) -> None:
-        fixed = getattr(self, "_fixed", None)
-        if fixed is not None:
-            self._fixed = None
-            self.model._give_back(fixed)
-
-    def rollback(self, lengths: np.ndarray | int) -> None:
-        """Set the valid length of each row (O(1): nothing is recomputed or copied)."""
-        if isinstance(lengths, int | np.integer) and self.batch == 1:
-            if not 0 <= lengths <= self.lengths[0]:
-                raise AssertionError(f"rollback to {lengths} from {self.lengths}: can only shrink")
-            self.lengths = np.array([lengths], dtype=np.int64)
-            return
-        new = np.broadcast_to(np.asarray(lengths, dtype=np.int64), self.lengths.shape)
-        if (new > self.lengths).any() or (new < 0).any():
-            raise AssertionError(f"rollback to {new} from {self.lengths}: can only shrink")
-        self.lengths = new.copy()
-
-
 _NO_ROWS = np.zeros(0, np.int64)
-MAX_FIXED_WIDTH = 16  # widest step run on fixed buffers (a graph each); wider: plain runs
-KEPT_LOGITS = 8  # logits shapes a cache keeps on the device (steps, blocks, batch sizes)
-# Devices whose in-place (gqa-shared) KV buffers are zero-filled when allocated, not left with
-# the allocator's leftovers: GPU attention kernels may load values past a row's length and
-# multiply them by zero weights (0 x NaN = NaN; flash-attention issues 1745, 2374), and on the
-# H200 random-weight fp16 pairs refused NaN logits in a process that had run another pair
-# before, and ran in a fresh one (docs/results/gpu_findings.md). ONNX Runtime's CPU kernel reads
-# only the valid positions, and there the fill would cost 1.6-22 ms per generation (128-2048
-# tokens of the reference pair, measured).
-ZERO_KV_DEVICES = frozenset({"cuda"})
 # The most positions (rows x positions) the greedy head takes the argmax of on the device. On
 # the H200 it ran in 0.17-0.25 ms for one position but in 5.2-5.6 ms for 2 to 8 (its broadcast
 # compare and reductions over several rows; docs/results/gpu_diag.md), while copying a few
@@ -567,124 +74,6 @@ HEAD_MAX_POSITIONS = 1
 # ~0.5 s to loading the reference pair on a small CPU.
 # (66 and 130: the pasts at which the H200's steps differed, diag `exact`, the same tokens.)
 ROW_PROBE_PASTS = {"cpu": (4,), "cuda": (4, 66, 130)}
-GRAPH_WARMUP_RUNS = 2  # plain runs of a width before its CUDA graph is captured (ORT's minimum)
-
-
-class FixedStep:
-    """The buffers of one block width in a `FixedBuffers`: token ids, position ids and logits,
-    an IO binding over them (and the KV and mask buffers), and the CUDA graph it replays."""
-
-    def __init__(self, model: OrtModel, fixed: FixedBuffers, width: int,
-                 graph_id: int | None) -> None:
-        spec, cfg = model.spec, model.config
-        shape = (fixed.batch, width)
-        self.ids = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.int64, cfg.device,
-                                                             cfg.device_id)
-        self.positions = ort.OrtValue.ortvalue_from_shape_and_type(
-            shape, np.int64, cfg.device, cfg.device_id) if spec.position_ids else None
-        self.logits = ort.OrtValue.ortvalue_from_shape_and_type(
-            (fixed.batch, width, model.logits_size), _NP_DTYPES[spec.logits_dtype], cfg.device,
-            cfg.device_id)
-        self.binding = model.session.io_binding()
-        for (past, present), value in zip(model._kv_names, fixed.values, strict=True):
-            self.binding.bind_ortvalue_input(past, value)
-            self.binding.bind_ortvalue_output(present, value)
-        self.binding.bind_ortvalue_input(spec.input_ids, self.ids)
-        self.binding.bind_ortvalue_input(spec.attention_mask, fixed.mask)
-        if self.positions is not None and spec.position_ids:
-            self.binding.bind_ortvalue_input(spec.position_ids, self.positions)
-        self.binding.bind_ortvalue_output(spec.logits, self.logits)
-        self.graph_id = graph_id
-        self.run_options = graph_run_options(graph_id)
-        # Runs left before this width's graph is captured: ONNX Runtime's CUDA EP counts its
-        # warm-up runs per thread, not per graph id (1.31's PerThreadContext), so without these
-        # a new width would be captured on its first run at new shapes, when its kernels may
-        # still allocate (flash attention's scratch, the memory pattern): not allowed in capture.
-        self.warmup = GRAPH_WARMUP_RUNS if graph_id is not None else 0
-
-    def next_run_options(self) -> ort.RunOptions | None:
-        """The run options for this step's next run: out of capture while it warms up."""
-        if self.warmup:
-            self.warmup -= 1
-            return _NO_GRAPH_OPTIONS
-        return self.run_options
-
-
-class FixedBuffers:
-    """A cache's buffers at fixed addresses: the KV buffers, the attention mask at the cache's
-    full length `[batch, max_len]` (ones over each row's valid prefix and new tokens, zeros
-    after, so its shape never changes), and a `FixedStep` per block width. A CUDA graph captured
-    on them replays with new contents, never new addresses; the model pools them per
-    (batch, max_len) for the next generation."""
-
-    def __init__(self, model: OrtModel, batch: int, max_len: int) -> None:
-        self.model, self.batch, self.max_len = model, batch, max_len
-        self.values: list[ort.OrtValue] = _allocate_kv(model, batch, max_len)[1]
-        cfg = model.config
-        self.mask = ort.OrtValue.ortvalue_from_shape_and_type((batch, max_len), np.int64,
-                                                              cfg.device, cfg.device_id)
-        self.mask_host = np.zeros((batch, max_len), np.int64)
-        self.steps: dict[int, FixedStep] = {}
-
-    def step(self, width: int) -> FixedStep:
-        step = self.steps.get(width)
-        if step is None:
-            graph_id = next(self.model._graph_ids) if self.model.config.cuda_graph else None
-            step = self.steps[width] = FixedStep(self.model, self, width, graph_id)
-        return step
-
-
-class GreedyHead:
-    """The greedy head graph (`data/greedy_head_<dtype>.onnx`, made by
-    scripts/make_greedy_head_onnx.py) in a session on a model's device: from logits left where
-    the model wrote them, the argmax ids (ties to the lowest id), per-position logit sums (the
-    finiteness check) and the rows that sample; only these cross to the host."""
-
-    def __init__(self, config: SessionConfig, logits_dtype: str, vocab: int) -> None:
-        if vocab >= 2**24:
-            raise InputError(f"the greedy head indexes tokens in float32: a vocabulary of "
-                             f"{vocab} is too large; turn device_argmax off")
-        path = resources.files(__package__).joinpath(f"data/greedy_head_{logits_dtype}.onnx")
-        self.session = start_session(Path(str(path)), helper_config(config), "the greedy head",
-                                     "reinstall specedge, or turn device_argmax off")
-        self.index = ort.OrtValue.ortvalue_from_numpy(np.arange(vocab, dtype=np.float32),
-                                                      config.device, config.device_id)
-        self.dtype = _NP_DTYPES[logits_dtype]
-        self._local = threading.local()  # per thread: its IO binding and output buffers
-
-    def run(self, logits: ort.OrtValue, keep: np.ndarray
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """ids `[rows, positions]` int64, sums `[rows, positions]` float32 and the logits of
-        rows `keep` `[len(keep), positions, vocab]`, all in host memory, owned by the caller.
-
-        The outputs go by address into host arrays (no OrtValue wrappers, no second copy); each
-        thread keeps its binding and its id / sum buffers per shape (a decode step calls this
-        every token, and rebuilding them cost ~20 us a call, measured on the CPU)."""
-        local = self._local
-        binding = getattr(local, "binding", None)
-        if binding is None:
-            binding = local.binding = self.session.io_binding()
-            binding.bind_ortvalue_input("index", self.index)
-            local.buffers, local.bound, local.kept = {}, None, None
-        binding.bind_ortvalue_input("logits", logits)
-        binding.bind_cpu_input("keep", np.ascontiguousarray(keep, dtype=np.int64))
-        rows, positions, vocab = logits.shape()
-        shape = (rows, positions)
-        buffers = local.buffers.get(shape)
-        if buffers is None:
-            buffers = local.buffers[shape] = (np.empty(shape, np.int64),
-                                             np.empty(shape, np.float32))
-        kept = np.empty((len(keep), positions, vocab), self.dtype)
-        if local.bound != shape:
-            for name, buf in zip(("ids", "sums"), buffers, strict=True):
-                binding.bind_output(name, "cpu", 0, buf.dtype, list(shape), buf.ctypes.data)
-            local.bound = shape
-        if kept.size or local.kept != kept.shape:  # an empty one needs binding once per shape
-            binding.bind_output("kept", "cpu", 0, kept.dtype, list(kept.shape),
-                                kept.ctypes.data if kept.size else buffers[0].ctypes.data)
-            local.kept = kept.shape
-        self.session.run_with_iobinding(binding)
-        return buffers[0].copy(), buffers[1].copy(), kept
 
 
 def _host(logits: ort.OrtValue | np.ndarray) -> np.ndarray:
@@ -720,7 +109,7 @@ class OrtModel:
             self._check_external_data(root, model_file)
         self.split: SplitHead | None = None
         if head is not None:
-            self.split = SplitHead(root, head, _session_options(config), _providers(config))
+            self.split = SplitHead(root, head, session_options(config), provider_chain(config))
             worst = self.split.check()
             if not worst < 1.0:
                 log.warning("%s: the int8 head's error bound does not hold on this build of "
@@ -1227,7 +616,7 @@ class OrtModel:
         valid = np.arange(width)[None, :] < new_lens[:, None]
         wide = np.flatnonzero(new_lens > 1)
         single = np.flatnonzero(new_lens == 1)
-        out = np.zeros((count, width, self.logits_size), _NP_DTYPES[self.spec.logits_dtype])
+        out = np.zeros((count, width, self.logits_size), NP_DTYPES[self.spec.logits_dtype])
         if len(wide) + (len(single) > 0) <= width:
             for i in wide:
                 n = int(new_lens[i])
@@ -1254,7 +643,7 @@ class OrtModel:
             spans = [(int(run[0]), int(run[-1]) + 1) for run in np.split(rows, breaks)]
         else:
             spans = [(0, cache.batch)]
-        out = np.empty((len(rows), self.logits_size), _NP_DTYPES[self.spec.logits_dtype])
+        out = np.empty((len(rows), self.logits_size), NP_DTYPES[self.spec.logits_dtype])
         for lo, hi in spans:
             saved = cache.lengths[lo:hi].copy()
             feed = np.zeros((hi - lo, 1), np.int64)
@@ -1286,7 +675,7 @@ class OrtModel:
             raise InputError(f"{self.name} model: {total} tokens exceed the context of "
                              f"{cache.max_len}")
         spec, cfg = self.spec, self.config
-        dtype = np.dtype(_NP_DTYPES[spec.kv.dtype])
+        dtype = np.dtype(NP_DTYPES[spec.kv.dtype])
         row_shape = [spec.num_kv_heads, cache.max_len, spec.head_dim]
         offset = lo * math.prod(row_shape) * dtype.itemsize
         binding = self.session.io_binding()
@@ -1302,7 +691,7 @@ class OrtModel:
                                    lengths[:, None] + np.arange(new, dtype=np.int64)[None, :])
         binding.bind_output(self._out[0], cfg.device, cfg.device_id)  # logits, or hidden
         try:
-            self.session.run_with_iobinding(binding, _NO_GRAPH_OPTIONS if cfg.cuda_graph
+            self.session.run_with_iobinding(binding, NO_GRAPH_OPTIONS if cfg.cuda_graph
                                             else None)
         except Exception as exc:  # onnxruntime raises its own exception types
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -1346,7 +735,7 @@ class OrtModel:
                                 presents[k].ctypes.data)
         host_logits = None
         if self.config.provider == "cpu":
-            host_logits = np.empty((r, width, self.logits_size), _NP_DTYPES[spec.logits_dtype])
+            host_logits = np.empty((r, width, self.logits_size), NP_DTYPES[spec.logits_dtype])
             binding.bind_output(spec.logits, "cpu", 0, host_logits.dtype, host_logits.shape,
                                 host_logits.ctypes.data)
         else:
@@ -1412,7 +801,7 @@ class OrtModel:
             binding.bind_cpu_input(self.spec.position_ids, self._positions(cache, width))
         # A session with CUDA graphs must be told that this run (a prefill, a batch's first
         # call or a wide block) is neither captured nor replayed.
-        options = _NO_GRAPH_OPTIONS if self.config.cuda_graph else None
+        options = NO_GRAPH_OPTIONS if self.config.cuda_graph else None
         if self.config.provider == "cpu" and not self.config.argmax_on_device:
             # Write the logits into a host buffer kept per shape: no per-call allocation, and no
             # Python wrappers for the 2 * layers present outputs (get_outputs would build them).
@@ -1421,7 +810,7 @@ class OrtModel:
             shape = (tokens.shape[0], width, size or self.logits_size)
             buf = cache._logits.get(shape)
             if buf is None:
-                buf = cache._logits[shape] = np.empty(shape, dtype=_NP_DTYPES[
+                buf = cache._logits[shape] = np.empty(shape, dtype=NP_DTYPES[
                     self.spec.logits_dtype])
             if cache._bound != shape:  # a binding keeps its output until rebound
                 binding.bind_output(name, "cpu", 0, buf.dtype, list(shape), buf.ctypes.data)

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .backend import KVCache, OrtModel
+from .backend import OrtModel
 from .drafters import AdaptiveK, new_tuner, ngram_for, take_ngram
 from .errors import InputError
+from .kvcache import KVCache
 from .policy import DecodePlan
 from .rounds import RowOutput, RowSampler, draft_budget, fed_prefix
 from .sampling import SamplingParams

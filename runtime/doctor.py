@@ -436,11 +436,11 @@ def run_self_test(provider: str, model: Path | None = None) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     arrays = selftest_arrays()
-    from . import backend
+    from . import sessions
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    if backend.global_pool_active():
+    if sessions.global_pool_active():
         # This process already runs sessions on ONNX Runtime's process-wide pool, after which
         # it refuses sessions with their own pools: join it.
         options.use_per_session_threads = False

@@ -24,8 +24,9 @@ from typing import Protocol
 
 import numpy as np
 
-from .backend import KVCache, OrtModel
+from .backend import OrtModel
 from .costs import CostTable
+from .kvcache import KVCache
 from .rounds import RowSampler, fed_prefix
 
 

@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .backend import OrtModel, SessionConfig, physical_cores
+from .backend import OrtModel
 from .batch import BatchStats, RowRequest, decode_batch
+from .detokenize import StopStrings
 from .drafters import AdaptiveK, build_drafter, new_tuner
 from .engines import EngineChoice, choose_engine, machine_key
 from .errors import InputError, ModelError
@@ -35,9 +36,10 @@ from .manifest import ModelSpec, PairManifest, engine_files_ready, load_manifest
 from .policy import DRAFTER_CHOICES, DecodePlan, resolve_plan
 from .rounds import RowOutput, RowSampler
 from .sampling import SamplingParams
+from .sessions import SessionConfig, physical_cores
 from .speculative import decode
 from .stats import GenerationStats
-from .text import StopStrings, Tokenizer
+from .text import Tokenizer
 
 Prompt = str | Sequence[Mapping[str, str]]
 __all__ = ["DRAFTER_CHOICES", "BatchResult", "GenerationConfig", "GenerationResult", "Pair",

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .detokenize import IncrementalDetokenizer, StopStrings
 from .policy import DecodePlan
 from .sampling import (
     SamplingParams,
@@ -32,7 +33,7 @@ from .sampling import (
     sample_token,
     warp_probs,
 )
-from .text import IncrementalDetokenizer, StopStrings, Tokenizer
+from .text import Tokenizer
 
 __all__ = ["RowOutput", "RowSampler", "fed_prefix"]
 

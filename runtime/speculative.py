@@ -13,8 +13,9 @@ from collections.abc import Generator
 
 import numpy as np
 
-from .backend import KVCache, OrtModel
+from .backend import OrtModel
 from .drafters import AdaptiveK, Drafter, new_tuner
+from .kvcache import KVCache
 from .policy import DecodePlan
 from .rounds import RowOutput, RowSampler, draft_budget, tuned_round
 from .stats import GenerationStats

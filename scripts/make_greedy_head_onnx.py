@@ -1,5 +1,5 @@
 """Write runtime/data/greedy_head_{float32,float16}.onnx, the graph greedy verification runs on
-the logits a model left on its device (`runtime.backend.GreedyHead`).
+the logits a model left on its device (`runtime.greedy_head.GreedyHead`).
 
 Usage: python scripts/make_greedy_head_onnx.py [OUT_DIR]   (needs the `onnx` package; the runtime
 does not, it only reads the files). Opset 17 and IR version 8 keep the files loadable by older

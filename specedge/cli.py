@@ -250,7 +250,7 @@ class LoadOptions:
                 raise InputError(f"--threads {self.threads!r}: give N or TARGET,DRAFT") from None
             if len(nums) not in (1, 2) or min(nums) < 0:
                 raise InputError(f"--threads {self.threads!r}: give N or TARGET,DRAFT (>= 0)")
-            from specedge.runtime.backend import THREADS_PER_CORE, max_threads, physical_cores
+            from specedge.runtime.sessions import THREADS_PER_CORE, max_threads, physical_cores
 
             if max(nums) > max_threads():
                 raise InputError(
@@ -421,7 +421,7 @@ def main(verbose: int) -> None:
         warnings.filterwarnings("ignore", module=r"(torch|transformers|onnx|onnxruntime|"
                                                  r"onnxscript|onnx_ir)(\.|$)")
     if verbose:
-        from specedge.runtime.backend import set_log_severity
+        from specedge.runtime.sessions import set_log_severity
 
         set_log_severity(max(0, 3 - verbose))
 
@@ -1054,8 +1054,8 @@ def split_head(pair: Path, force: bool) -> None:
 
     Greedy decoding on the CPU then reads an int8 copy of the head and computes only the few
     tokens its error bound leaves in float: the same argmax, a quarter of the head's bytes.
-    Adds body.onnx, head.onnx, shortlist.onnx and head_rows.npy beside each float model and
-    lists them in the manifest; model.onnx stays (ONNX Runtime GenAI and other paths use it).
+    Adds body.onnx, head.onnx and shortlist.onnx(.data) beside each float model and lists them
+    in the manifest; model.onnx stays (ONNX Runtime GenAI and other paths use it).
     """
     from specedge.exporter.pair import require_modules
     from specedge.exporter.split_head import split_pair_heads

@@ -35,7 +35,6 @@ from specedge.exporter.engine import (
     read_graph,
     unavailable_message,
 )
-from specedge.runtime.backend import SessionConfig
 from specedge.runtime.engines import (
     TENSORRT_EP,
     EngineKey,
@@ -59,6 +58,7 @@ from specedge.runtime.manifest import (
 )
 from specedge.runtime.pair import GenerationConfig, Pair, engine_choice, load_model
 from specedge.runtime.sampling import SamplingParams
+from specedge.runtime.sessions import SessionConfig
 
 from .test_onnx_file import encode_varint as _varint
 

@@ -17,20 +17,19 @@ import numpy as np
 import pytest
 
 from specedge.runtime import backend
-from specedge.runtime.backend import (
-    GRAPH_WARMUP_RUNS,
-    MAX_FIXED_WIDTH,
+from specedge.runtime.backend import OrtModel
+from specedge.runtime.errors import InputError, ModelError
+from specedge.runtime.greedy_head import GreedyHead
+from specedge.runtime.kvcache import GRAPH_WARMUP_RUNS, MAX_FIXED_WIDTH
+from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
+from specedge.runtime.sampling import SamplingParams, accept_greedy, accept_greedy_ids
+from specedge.runtime.sessions import (
     NO_GRAPH,
-    GreedyHead,
-    OrtModel,
     SessionConfig,
     cuda_provider_options,
     graph_run_options,
     helper_config,
 )
-from specedge.runtime.errors import InputError, ModelError
-from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
-from specedge.runtime.sampling import SamplingParams, accept_greedy, accept_greedy_ids
 
 PROMPTS = ["the quick brown fox", "a b c d e f g a b c", "once upon a time there was",
            "numbers 1 2 3 4 5 6 7 8"]
@@ -584,9 +583,9 @@ def test_evicted_logits_values_are_rebound(tiny_pair_dir: Path, tiny_pair: Pair,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A cache keeps the logits values of its last KEPT_LOGITS shapes; a shape evicted and made
     again gets a new value, and the run must write into that one (the binding is redone)."""
-    from specedge.runtime import backend
+    from specedge.runtime import kvcache
 
-    monkeypatch.setattr(backend, "KEPT_LOGITS", 1)
+    monkeypatch.setattr(kvcache, "KEPT_LOGITS", 1)
     model = _with(tiny_pair_dir, device_argmax=True).target
     plain = tiny_pair.target
     a, b = model.new_cache(1, 64), plain.new_cache(1, 64)

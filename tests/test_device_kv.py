@@ -111,7 +111,7 @@ def test_shipped_graphs_are_the_scripts(tmp_path: Path) -> None:
 def test_helper_graphs_run_on_cuda_under_tensorrt() -> None:
     """The greedy head and the KV graphs change shape every call: under TensorRT they run on the
     CUDA EP (TensorRT would build an engine per shape), never with CUDA graphs."""
-    from specedge.runtime.backend import SessionConfig, helper_config
+    from specedge.runtime.sessions import SessionConfig, helper_config
 
     trt = helper_config(SessionConfig(provider="tensorrt", device_id=1))
     assert trt.provider == "cuda" and trt.device_id == 1 and trt.device == "cuda"
@@ -129,10 +129,10 @@ def test_gqa_caches_start_as_zeros(fixtures_dir: Path, monkeypatch: pytest.Monke
     The CPU's own kernel reads valid positions only, so the CPU is added here to run the fill."""
     import onnxruntime as ort
 
-    from specedge.runtime import backend
+    from specedge.runtime import kvcache
 
-    assert "cuda" in backend.ZERO_KV_DEVICES
-    monkeypatch.setattr(backend, "ZERO_KV_DEVICES", frozenset({"cuda", "cpu"}))
+    assert "cuda" in kvcache.ZERO_KV_DEVICES
+    monkeypatch.setattr(kvcache, "ZERO_KV_DEVICES", frozenset({"cuda", "cpu"}))
 
     real = ort.OrtValue.ortvalue_from_shape_and_type
 

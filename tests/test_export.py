@@ -293,12 +293,12 @@ def test_llama_concat_ragged_batch_matches_batch1(llama_concat_pair: Path, model
     import numpy as np
     import onnxruntime as ort
 
-    from specedge.runtime.backend import SessionConfig, _session_options
+    from specedge.runtime.sessions import SessionConfig, session_options
 
     # The runtime's options: once this process has the shared thread pool (Pair.load, the
     # validation), ONNX Runtime refuses sessions with their own pools.
     sess = ort.InferenceSession(str(llama_concat_pair / model / "model.onnx"),
-                                _session_options(SessionConfig()),
+                                session_options(SessionConfig()),
                                 providers=["CPUExecutionProvider"])
     manifest = json.loads((llama_concat_pair / "specedge.json").read_text())["models"][model]
     layers, heads, head_dim = (manifest["num_layers"], manifest["num_kv_heads"],

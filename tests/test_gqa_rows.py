@@ -18,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specedge.runtime.backend import KVCache, OrtModel
+from specedge.runtime.backend import OrtModel
+from specedge.runtime.kvcache import KVCache
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.serving import ContinuousBatch

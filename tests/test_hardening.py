@@ -265,7 +265,7 @@ def test_item03_threads_option_is_capped(tiny_pair_dir: Path) -> None:
 
 def test_item03_manifest_threads_are_clamped(pair_copy: Path,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    from specedge.runtime.backend import max_threads
+    from specedge.runtime.sessions import max_threads
 
     edit_manifest(pair_copy, lambda d: d["defaults"].update(target_threads=1000,
                                                             draft_threads=1000))
@@ -509,9 +509,9 @@ def test_item10_declared_kv_sizes_beyond_the_model(pair_copy: Path) -> None:
 
 def test_item10_kv_budget_is_checked_before_allocating(tiny_pair: Pair,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from specedge.runtime import backend
+    from specedge.runtime import kvcache
 
-    monkeypatch.setattr(backend, "available_memory", lambda device: 64 << 10)
+    monkeypatch.setattr(kvcache, "available_memory", lambda device: 64 << 10)
     with pytest.raises(InputError, match="KV cache needs .* available"):
         tiny_pair.generate("hi", GenerationConfig(max_new_tokens=400))
 
@@ -520,14 +520,14 @@ def test_item10_allocation_failure_is_a_clean_error(tiny_pair: Pair,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import onnxruntime as ort
 
-    from specedge.runtime import backend
+    from specedge.runtime.kvcache import KVCache
 
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("std::bad_alloc")
 
     monkeypatch.setattr(ort.OrtValue, "ortvalue_from_shape_and_type", fail)
     with pytest.raises(ModelError, match="could not allocate"):
-        backend.KVCache(tiny_pair.target, 1, 64)
+        KVCache(tiny_pair.target, 1, 64)
 
 
 def test_item10_vocab_ids_header_claiming_a_huge_shape(pair_copy: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specedge.runtime.detokenize import IncrementalDetokenizer
 from specedge.runtime.drafters import NgramDrafter
 from specedge.runtime.errors import InputError
 from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
@@ -22,7 +23,6 @@ from specedge.runtime.policy import resolve_plan
 from specedge.runtime.rounds import RowOutput
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.serving import ContinuousBatch
-from specedge.runtime.text import IncrementalDetokenizer
 
 PROMPT = "The quick brown"
 GREEDY = SamplingParams()

@@ -16,9 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 from specedge.cli import main
-from specedge.runtime.backend import fallback_message
 from specedge.runtime.errors import InputError
 from specedge.runtime.pair import Pair
+from specedge.runtime.sessions import fallback_message
 
 CPU, CUDA, TRT = "CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"
 
@@ -74,8 +74,9 @@ def test_cuda_export_validates_on_cpu_when_cuda_does_not_start(
         tiny_pair_dir: Path, cuda_claimed: None, monkeypatch: pytest.MonkeyPatch) -> None:
 
     from specedge.exporter import validate
-    from specedge.runtime.backend import OrtModel, SessionConfig
+    from specedge.runtime.backend import OrtModel
     from specedge.runtime.manifest import load_manifest
+    from specedge.runtime.sessions import SessionConfig
 
     # A GPU is found (the driver answers), but the CUDA provider does not start.
     monkeypatch.setattr(validate, "validation_provider", lambda requested: (requested, None))
@@ -123,8 +124,8 @@ def test_a_provider_that_raises_is_named_with_its_reason(
 def test_a_broken_file_on_a_gpu_provider_is_still_a_broken_file(
         tiny_pair_dir: Path, tmp_path: Path, cuda_claimed: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from specedge.runtime.backend import SessionConfig, start_session
     from specedge.runtime.errors import ModelError
+    from specedge.runtime.sessions import SessionConfig, start_session
 
     monkeypatch.setattr(ort, "InferenceSession", _TensorRTFails)
     bad = tmp_path / "model.onnx"
@@ -139,8 +140,8 @@ def test_fp32_group_query_attention_on_cuda(tiny_pair_dir: Path, concat_dir: Pat
     graphs cannot capture it at all (an error before the session, not "CUDA could not start")."""
     import dataclasses
 
-    from specedge.runtime.backend import SessionConfig, cuda_attention_problem
     from specedge.runtime.manifest import load_manifest
+    from specedge.runtime.sessions import SessionConfig, cuda_attention_problem
 
     spec = load_manifest(tiny_pair_dir).target
     assert spec.graph == "gqa-shared" and spec.kv.dtype == "float32"

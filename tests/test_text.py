@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from specedge.runtime.detokenize import IncrementalDetokenizer, StopStrings
 from specedge.runtime.errors import InputError, ManifestError
-from specedge.runtime.text import IncrementalDetokenizer, StopStrings, Tokenizer
+from specedge.runtime.text import Tokenizer
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

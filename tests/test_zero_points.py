@@ -78,10 +78,10 @@ def test_rewrite_matches_the_float_zero_point_model(tmp_path: Path, seed: int) -
     zp = next(i for i in rewritten.graph.initializer if i.name == mm.input[3])
     assert zp.data_type == onnx.TensorProto.UINT8
     x = np.random.default_rng(seed + 100).standard_normal((1, 5, k)).astype(np.float32)
-    from specedge.runtime.backend import SessionConfig, _session_options, physical_cores
+    from specedge.runtime.sessions import SessionConfig, physical_cores, session_options
 
     # The process-wide pool the runtime uses (another test may already have created it).
-    options = _session_options(SessionConfig(provider="cpu", intra_op_threads=physical_cores(),
+    options = session_options(SessionConfig(provider="cpu", intra_op_threads=physical_cores(),
                                              shared_pool=True))
     outs = [ort.InferenceSession(str(tmp_path / f), options,
                                  providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]

@@ -1,0 +1,266 @@
+"""KV caches: the buffers one model's generation keeps its keys and values in.
+
+A `KVCache` holds one model's cache for one generation (one or more rows) with a valid length per
+row; rollback shortens the lengths, nothing is recomputed or copied. For the gqa-shared form (ONNX
+Runtime GenAI's GroupQueryAttention graphs) it is one preallocated `[batch, kv_heads, max_len,
+head_dim]` OrtValue per layer and tensor on the model's device, bound as both past input and
+present output so the model writes new keys and values in place. For the concat form it is one
+host array, or a `DeviceKV` on the model's device (`runtime/device_kv`).
+
+With fixed buffers (`SessionConfig.fixed`, always with CUDA graphs) the buffers and every step's
+inputs and outputs live at fixed addresses (`FixedBuffers`, a `FixedStep` per block width); each
+width is captured once as a CUDA graph and replayed, and the model pools the buffers per (rows,
+length) so later generations replay the same graphs. A cache is allocated only if it fits the
+memory available. `runtime/backend` runs the model on these buffers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnxruntime as ort
+
+from .device_kv import DeviceKV, zero_fill
+from .errors import InputError, ModelError
+from .sessions import NO_GRAPH_OPTIONS, NP_DTYPES, graph_run_options
+
+if TYPE_CHECKING:
+    from .backend import OrtModel
+
+MAX_FIXED_WIDTH = 16  # widest step run on fixed buffers (a graph each); wider: plain runs
+KEPT_LOGITS = 8  # logits shapes a cache keeps on the device (steps, blocks, batch sizes)
+# Devices whose in-place (gqa-shared) KV buffers are zero-filled when allocated, not left with
+# the allocator's leftovers: GPU attention kernels may load values past a row's length and
+# multiply them by zero weights (0 x NaN = NaN; flash-attention issues 1745, 2374), and on the
+# H200 random-weight fp16 pairs refused NaN logits in a process that had run another pair
+# before, and ran in a fresh one (docs/results/gpu_findings.md). ONNX Runtime's CPU kernel reads
+# only the valid positions, and there the fill would cost 1.6-22 ms per generation (128-2048
+# tokens of the reference pair, measured).
+ZERO_KV_DEVICES = frozenset({"cuda"})
+GRAPH_WARMUP_RUNS = 2  # plain runs of a width before its CUDA graph is captured (ORT's minimum)
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes this process can still allocate on `device` (None: unknown, e.g. a GPU)."""
+    if device != "cpu":
+        return None
+    avail: int | None = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        try:
+            used = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf(
+                "SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            used = 0
+        avail = min(avail if avail is not None else limit, max(0, limit - used))
+    return avail
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 26 else f"{n / (1 << 20):.1f} MiB"
+
+
+def _allocate_kv(model: OrtModel, batch: int, max_len: int
+                 ) -> tuple[np.ndarray | None, list[ort.OrtValue], DeviceKV | None]:
+    """A model's KV buffers for `batch` rows of `max_len` tokens: OrtValues on the model's
+    device (gqa-shared), or for the concat form one `DeviceKV` on the model's device
+    (`SessionConfig.kv_on_device`) or one host array `[2 x layers, batch, heads, max_len,
+    head_dim]` (the layers' keys, then their values, in `_kv_names` order).
+
+    Raises:
+        InputError: they would not fit the memory available.
+        ModelError: the allocation failed.
+    """
+    spec = model.spec
+    dtype = NP_DTYPES[spec.kv.dtype]
+    shape = (batch, spec.num_kv_heads, max_len, spec.head_dim)
+    need = 2 * spec.num_layers * math.prod(shape) * np.dtype(dtype).itemsize
+    avail = available_memory(model.config.device)
+    if avail is not None and need > avail:
+        raise InputError(
+            f"the {model.name} model's KV cache needs {_gib(need)} ({batch} row(s) x "
+            f"{max_len} tokens) but {_gib(avail)} of memory is available; ask for fewer "
+            "new tokens (or rows), or free memory"
+        )
+    values: list[ort.OrtValue] = []
+    ops = model.kv_ops() if spec.graph == "concat" and model.config.kv_on_device else None
+    try:
+        if ops is not None:
+            return None, values, DeviceKV(
+                ops, layers=spec.num_layers, heads=spec.num_kv_heads,
+                head_dim=spec.head_dim, batch=batch, max_len=max_len, dtype=dtype,
+                device=model.config.device, device_id=model.config.device_id)
+        if spec.graph != "gqa-shared":  # every layer's keys, then values: [2 x layers, *shape]
+            return np.zeros((2 * spec.num_layers, *shape), dtype=dtype), values, None
+        for _ in range(2 * spec.num_layers):
+            value = ort.OrtValue.ortvalue_from_shape_and_type(
+                shape, dtype, model.config.device, model.config.device_id)
+            if model.config.device in ZERO_KV_DEVICES:
+                zero_fill(model.kv_ops(), value, model.config.device_id)
+            values.append(value)
+    except Exception as exc:  # MemoryError, onnxruntime's allocation failures
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ModelError(
+            f"the {model.name} model: could not allocate its KV cache of {_gib(need)} "
+            f"({batch} row(s) x {max_len} tokens: {first}); ask for fewer new tokens (or "
+            "rows), or free memory"
+        ) from None
+    return None, values, None
+
+
+class KVCache:
+    """Preallocated KV buffers of one model for one generation, with a valid length per row.
+
+    Invariant: positions `[0, lengths[b])` of row b hold the keys/values of the tokens fed so
+    far; anything beyond is garbage that the attention mask hides. Rollback shortens `lengths`.
+
+    With fixed buffers (CUDA graphs) the buffers come from the model's pool and go back to it when
+    the cache is dropped, so the next generation replays the graphs captured on them.
+    """
+
+    def __init__(self, model: OrtModel, batch: int, max_len: int, *,
+                 fixed: bool | None = None) -> None:
+        spec = model.spec
+        if not 1 <= max_len <= spec.max_seq_len:
+            raise InputError(f"cache length {max_len} outside [1, {spec.max_seq_len}]")
+        self.model, self.batch, self.max_len = model, batch, max_len
+        self.lengths = np.zeros(batch, dtype=np.int64)
+        # The token fed at each position (a one-token step of a two-row model re-feeds one).
+        self.fed = np.zeros((batch, max_len), dtype=np.int64)
+        self.host: np.ndarray | None = None  # the concat form's cache in host memory
+        self.values: list[ort.OrtValue] = []
+        self.device_kv: DeviceKV | None = None
+        self._fixed: FixedBuffers | None = None
+        if model.config.fixed if fixed is None else fixed:
+            self._fixed = model._take_fixed(batch, max_len)
+            self.values = self._fixed.values
+        else:
+            self._allocate()
+        self._binding: Any = None
+        self._staging: dict[str, np.ndarray] = {}  # host concat form: reused per-call buffers
+        self._logits: dict[tuple[int, int, int], np.ndarray] = {}
+        # Logits OrtValues on the model's device for the last KEPT_LOGITS shapes (oldest first).
+        self._device_logits: dict[tuple[int, int, int], ort.OrtValue] = {}
+        self._bound_value: ort.OrtValue | None = None  # the one bound on _binding
+        self._bound: tuple[int, int, int] | None = None  # the logits shape bound on _binding
+
+    def device_logits(self, shape: tuple[int, int, int]) -> ort.OrtValue:
+        """An OrtValue on the model's device for logits of `shape`, the same one as the last
+        call of that shape (the next call of the shape overwrites it); the last `KEPT_LOGITS`
+        shapes are kept (a batch's rows and block widths vary)."""
+        value = self._device_logits.pop(shape, None)
+        if value is None:
+            cfg = self.model.config
+            value = ort.OrtValue.ortvalue_from_shape_and_type(
+                shape, NP_DTYPES[self.model.spec.logits_dtype], cfg.device, cfg.device_id)
+        self._device_logits[shape] = value
+        while len(self._device_logits) > KEPT_LOGITS:
+            del self._device_logits[next(iter(self._device_logits))]
+        return value
+
+    def staging(self, name: str, elements: int) -> np.ndarray:
+        """A flat host buffer of at least `elements` KV elements, reused from call to call and
+        grown (by a quarter more) when a call needs more."""
+        buf = self._staging.get(name)
+        if buf is None or buf.size < elements:
+            size = max(elements, 0 if buf is None else buf.size + buf.size // 4, 1)
+            buf = self._staging[name] = np.empty(size, NP_DTYPES[self.model.spec.kv.dtype])
+        return buf[:elements]
+
+    def _allocate(self) -> None:
+        self.host, self.values, self.device_kv = _allocate_kv(self.model, self.batch,
+                                                              self.max_len)
+
+    def __del__(self) -> None:
+        fixed = getattr(self, "_fixed", None)
+        if fixed is not None:
+            self._fixed = None
+            self.model._give_back(fixed)
+
+    def rollback(self, lengths: np.ndarray | int) -> None:
+        """Set the valid length of each row (O(1): nothing is recomputed or copied)."""
+        if isinstance(lengths, int | np.integer) and self.batch == 1:
+            if not 0 <= lengths <= self.lengths[0]:
+                raise AssertionError(f"rollback to {lengths} from {self.lengths}: can only shrink")
+            self.lengths = np.array([lengths], dtype=np.int64)
+            return
+        new = np.broadcast_to(np.asarray(lengths, dtype=np.int64), self.lengths.shape)
+        if (new > self.lengths).any() or (new < 0).any():
+            raise AssertionError(f"rollback to {new} from {self.lengths}: can only shrink")
+        self.lengths = new.copy()
+
+
+class FixedStep:
+    """The buffers of one block width in a `FixedBuffers`: token ids, position ids and logits,
+    an IO binding over them (and the KV and mask buffers), and the CUDA graph it replays."""
+
+    def __init__(self, model: OrtModel, fixed: FixedBuffers, width: int,
+                 graph_id: int | None) -> None:
+        spec, cfg = model.spec, model.config
+        shape = (fixed.batch, width)
+        self.ids = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.int64, cfg.device,
+                                                             cfg.device_id)
+        self.positions = ort.OrtValue.ortvalue_from_shape_and_type(
+            shape, np.int64, cfg.device, cfg.device_id) if spec.position_ids else None
+        self.logits = ort.OrtValue.ortvalue_from_shape_and_type(
+            (fixed.batch, width, model.logits_size), NP_DTYPES[spec.logits_dtype], cfg.device,
+            cfg.device_id)
+        self.binding = model.session.io_binding()
+        for (past, present), value in zip(model._kv_names, fixed.values, strict=True):
+            self.binding.bind_ortvalue_input(past, value)
+            self.binding.bind_ortvalue_output(present, value)
+        self.binding.bind_ortvalue_input(spec.input_ids, self.ids)
+        self.binding.bind_ortvalue_input(spec.attention_mask, fixed.mask)
+        if self.positions is not None and spec.position_ids:
+            self.binding.bind_ortvalue_input(spec.position_ids, self.positions)
+        self.binding.bind_ortvalue_output(spec.logits, self.logits)
+        self.graph_id = graph_id
+        self.run_options = graph_run_options(graph_id)
+        # Runs left before this width's graph is captured: ONNX Runtime's CUDA EP counts its
+        # warm-up runs per thread, not per graph id (1.31's PerThreadContext), so without these
+        # a new width would be captured on its first run at new shapes, when its kernels may
+        # still allocate (flash attention's scratch, the memory pattern): not allowed in capture.
+        self.warmup = GRAPH_WARMUP_RUNS if graph_id is not None else 0
+
+    def next_run_options(self) -> ort.RunOptions | None:
+        """The run options for this step's next run: out of capture while it warms up."""
+        if self.warmup:
+            self.warmup -= 1
+            return NO_GRAPH_OPTIONS
+        return self.run_options
+
+
+class FixedBuffers:
+    """A cache's buffers at fixed addresses: the KV buffers, the attention mask at the cache's
+    full length `[batch, max_len]` (ones over each row's valid prefix and new tokens, zeros
+    after, so its shape never changes), and a `FixedStep` per block width. A CUDA graph captured
+    on them replays with new contents, never new addresses; the model pools them per
+    (batch, max_len) for the next generation."""
+
+    def __init__(self, model: OrtModel, batch: int, max_len: int) -> None:
+        self.model, self.batch, self.max_len = model, batch, max_len
+        self.values: list[ort.OrtValue] = _allocate_kv(model, batch, max_len)[1]
+        cfg = model.config
+        self.mask = ort.OrtValue.ortvalue_from_shape_and_type((batch, max_len), np.int64,
+                                                              cfg.device, cfg.device_id)
+        self.mask_host = np.zeros((batch, max_len), np.int64)
+        self.steps: dict[int, FixedStep] = {}
+
+    def step(self, width: int) -> FixedStep:
+        step = self.steps.get(width)
+        if step is None:
+            graph_id = next(self.model._graph_ids) if self.model.config.cuda_graph else None
+            step = self.steps[width] = FixedStep(self.model, self, width, graph_id)
+        return step
