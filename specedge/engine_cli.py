@@ -38,7 +38,7 @@ def build_engine(pair: Path, output: Path | None, batch: int, precision: str, fo
     One optimization profile per model: batch 1..B, new tokens 1..max length (K+1 optimal),
     past 0..max length. `specedge generate --providers tensorrt` then loads the engines when
     the GPU, TensorRT and onnxruntime versions match the build, and the ONNX models otherwise.
-    Needs a concat-form pair of float models (`export --graph concat`).
+    Needs a pair of float models in standard ops (`export --graph concat-standard`).
     """
     from specedge.cli import clean_errors
 
