@@ -40,13 +40,8 @@ from specedge.exporter.pair import (
 )
 from specedge.exporter.quantize import QuantSettings, run_isolated
 from specedge.runtime.errors import InputError
-from specedge.runtime.manifest import (
-    Defaults,
-    copy_pair,
-    read_manifest,
-    sha256_file,
-    write_manifest,
-)
+from specedge.runtime.files import copy_pair, sha256_file
+from specedge.runtime.manifest import Defaults, read_manifest, write_manifest
 from specedge.runtime.pair import GenerationConfig, Pair
 
 from .data import CALIBRATION_PROMPTS

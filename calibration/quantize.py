@@ -20,12 +20,8 @@ from typing import Any
 from specedge.exporter.pair import check_output, require_modules, staged_folder
 from specedge.exporter.quantize import CALIBRATED, HISTOGRAM, METHODS, QuantSettings, run_isolated
 from specedge.runtime.errors import InputError
-from specedge.runtime.manifest import (
-    copy_pair,
-    load_manifest,
-    sha256_file,
-    write_manifest,
-)
+from specedge.runtime.files import copy_pair, sha256_file
+from specedge.runtime.manifest import load_manifest, write_manifest
 from specedge.runtime.pair import Pair
 
 from . import data

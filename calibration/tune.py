@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from specedge.runtime.errors import InputError
-from specedge.runtime.manifest import DRAFTERS, check_writable, json_dumps, write_manifest
+from specedge.runtime.files import check_writable, json_dumps
+from specedge.runtime.manifest import DRAFTERS, write_manifest
 from specedge.runtime.pair import GenerationConfig, Pair
 
 ADAPTIVE_MARGIN = 0.97  # adaptive K is kept when at least this fraction of the best fixed K

@@ -47,13 +47,12 @@ from specedge.runtime.engines import (
     profile_option,
 )
 from specedge.runtime.errors import ExportError, InputError, ManifestError
+from specedge.runtime.files import copy_pair, sha256_file
 from specedge.runtime.manifest import (
     ModelSpec,
     PairManifest,
-    copy_pair,
     engine_files_ready,
     load_manifest,
-    sha256_file,
     write_manifest,
 )
 from specedge.runtime.onnx_file import LENGTH, VARINT, fields

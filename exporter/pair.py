@@ -30,6 +30,7 @@ from typing import Any
 
 from specedge import __version__
 from specedge.runtime.errors import ExportError, InputError, OutputError
+from specedge.runtime.files import sha256_file
 from specedge.runtime.manifest import (
     DRAFTERS,
     MANIFEST_NAME,
@@ -37,7 +38,6 @@ from specedge.runtime.manifest import (
     KVSpec,
     ModelSpec,
     PairManifest,
-    sha256_file,
     write_manifest,
 )
 

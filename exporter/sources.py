@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specedge.runtime.errors import ExportError, InputError
-from specedge.runtime.manifest import sha256_file
+from specedge.runtime.files import sha256_file
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "tokenizer*"]

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specedge.runtime.manifest import HeadSpec, ModelSpec, sha256_file
+from specedge.runtime.files import sha256_file
+from specedge.runtime.manifest import HeadSpec, ModelSpec
 
 log = logging.getLogger(__name__)
 

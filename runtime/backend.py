@@ -42,9 +42,10 @@ import onnxruntime as ort
 from . import host_argmax
 from .device_kv import DeviceKV, KVOps
 from .errors import InputError, ManifestError, ModelError
+from .files import confine
 from .greedy_head import GreedyHead
 from .kvcache import MAX_FIXED_WIDTH, FixedBuffers, KVCache
-from .manifest import MANIFEST_NAME, ModelSpec, confine
+from .manifest import MANIFEST_NAME, ModelSpec
 from .onnx_file import external_data_files
 from .rowprobe import RowProbe
 from .sessions import (

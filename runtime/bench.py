@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, listed
-from .manifest import write_atomic
+from .files import write_atomic
 from .pair import GenerationConfig, Pair
 from .sampling import SamplingParams
 

@@ -32,9 +32,8 @@ import numpy as np
 
 from . import hugepages
 from .errors import InputError
+from .providers import PROVIDERS
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider",
-             "tensorrt": "TensorrtExecutionProvider"}
 SELFTEST_FILE = "data/selftest.onnx"
 SELFTEST_TIMEOUT_S = {"cpu": 30.0, "cuda": 90.0, "tensorrt": 180.0}
 SELFTEST_TOLERANCE = 1e-2  # fp32 graph; TF32 matmuls on a GPU stay well inside this
@@ -445,7 +444,7 @@ def run_self_test(provider: str, model: Path | None = None) -> dict[str, Any]:
         # it refuses sessions with their own pools: join it.
         options.use_per_session_threads = False
     name = PROVIDERS[provider]
-    chosen: list[Any] = [name] if provider == "cpu" else [name, "CPUExecutionProvider"]
+    chosen: list[Any] = [name] if provider == "cpu" else [name, PROVIDERS["cpu"]]
     try:
         session = ort.InferenceSession(str(model or selftest_model()), options, providers=chosen)
         ran_on = tuple(session.get_providers())

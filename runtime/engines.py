@@ -19,9 +19,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from .providers import PROVIDERS
+
 ENGINE_MODELS = ("target", "draft")
 ENGINE_PRECISIONS = ("fp32", "fp16", "int8")
-TENSORRT_EP = "TensorrtExecutionProvider"
+TENSORRT_EP = PROVIDERS["tensorrt"]
 # TensorRT's runtime library, newest first (TensorRT 10, then 8 as on JetPack 5).
 NVINFER_SONAMES = ("libnvinfer.so.10", "libnvinfer.so.8", "libnvinfer.so")
 

@@ -22,12 +22,8 @@ import onnxruntime as ort
 
 from .errors import InputError, ModelError
 from .manifest import ModelSpec
+from .providers import PROVIDERS
 
-PROVIDERS = {
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "tensorrt": "TensorrtExecutionProvider",
-}
 NP_DTYPES: dict[str, type[np.generic]] = {"float32": np.float32, "float16": np.float16}
 THREADS_PER_CORE = 4  # more intra-op threads than this per core only adds contention
 log = logging.getLogger(__name__)
@@ -221,15 +217,15 @@ def provider_chain(config: SessionConfig) -> list[Any]:
             "for cuda/tensorrt, or use --providers cpu"
         )
     if config.provider == "cpu":
-        return ["CPUExecutionProvider"]
-    cuda = ("CUDAExecutionProvider", cuda_provider_options(config))
+        return [PROVIDERS["cpu"]]
+    cuda = (PROVIDERS["cuda"], cuda_provider_options(config))
     if config.provider == "cuda":
-        return [cuda, "CPUExecutionProvider"]
+        return [cuda, PROVIDERS["cpu"]]
     trt_opts: dict[str, Any] = {"device_id": config.device_id, "trt_fp16_enable": True}
     if config.trt_cache_dir:
         trt_opts.update(trt_engine_cache_enable=True, trt_engine_cache_path=config.trt_cache_dir,
                         trt_timing_cache_enable=True)
-    return [("TensorrtExecutionProvider", trt_opts), cuda, "CPUExecutionProvider"]
+    return [(PROVIDERS["tensorrt"], trt_opts), cuda, PROVIDERS["cpu"]]
 
 
 def fallback_message(asked: str, ran_on: Sequence[str], what: str, reason: str = ""

@@ -23,12 +23,11 @@ import tokenizers
 
 from .chat_template import ChatTemplate, pick_chat_template
 from .errors import InputError, ManifestError
+from .files import confine, read_bounded
 from .manifest import (
     MANIFEST_NAME,
     MAX_TOKENIZER_FILE_BYTES,
     PairManifest,
-    confine,
-    read_bounded,
     read_listed,
     read_manifest,
 )

@@ -55,7 +55,7 @@ def main(out: Path) -> None:
         split = out / "tiny-llama-split"
         if not (split / "specedge.json").is_file():
             from specedge.exporter.split_head import split_pair_heads
-            from specedge.runtime.manifest import copy_pair
+            from specedge.runtime.files import copy_pair
 
             copy_pair(out / "tiny-llama", split)
             split_pair_heads(split, min_bytes=0)

@@ -94,7 +94,7 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
         click.echo(f"error: specedge serve needs the [serve] extra ({exc.name} is missing): "
                    "pip install 'specedge[serve]'", err=True)
         sys.exit(1)
-    from specedge.cli import LoadOptions
+    from specedge.cli_base import LoadOptions
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
     try:

@@ -47,13 +47,13 @@ from specedge.runtime.engines import (
     tensorrt_version_string,
 )
 from specedge.runtime.errors import ExportError, InputError, ManifestError
+from specedge.runtime.files import sha256_file
 from specedge.runtime.manifest import (
     MANIFEST_NAME,
     PairManifest,
     engine_files_ready,
     load_manifest,
     parse_manifest,
-    sha256_file,
     write_manifest,
 )
 from specedge.runtime.pair import GenerationConfig, Pair, engine_choice, load_model

@@ -29,7 +29,8 @@ from click.testing import CliRunner, Result
 
 from specedge.cli import main
 from specedge.runtime.errors import InputError, ManifestError, ModelError, SpecEdgeError
-from specedge.runtime.manifest import MANIFEST_NAME, load_manifest, parse_manifest, sha256_file
+from specedge.runtime.files import sha256_file
+from specedge.runtime.manifest import MANIFEST_NAME, load_manifest, parse_manifest
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.text import Tokenizer
 

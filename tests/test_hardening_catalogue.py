@@ -39,7 +39,8 @@ from hypothesis import strategies as st
 from specedge.cli import main
 from specedge.runtime import chat_template
 from specedge.runtime.errors import InputError, SpecEdgeError
-from specedge.runtime.manifest import MANIFEST_NAME, sha256_file
+from specedge.runtime.files import sha256_file
+from specedge.runtime.manifest import MANIFEST_NAME
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.text import Tokenizer

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specedge.runtime.errors import InputError, ModelError, SpecEdgeError
-from specedge.runtime.manifest import MANIFEST_NAME, sha256_file
+from specedge.runtime.files import sha256_file
+from specedge.runtime.manifest import MANIFEST_NAME
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import (
     SamplingParams,

@@ -175,7 +175,8 @@ def test_reference_pair_greedy_equals_the_whole_graph(reference_pair_dir: Path) 
 def test_cli_head_option(split_dir: Path) -> None:
     from click.testing import CliRunner
 
-    from specedge.cli import LoadOptions, main
+    from specedge.cli import main
+    from specedge.cli_base import LoadOptions
 
     assert LoadOptions().load(split_dir).target.split is not None
     assert LoadOptions(head="whole").load(split_dir).target.split is None
@@ -201,7 +202,7 @@ def test_split_head_command_and_force(fixtures_dir: Path, tmp_path: Path) -> Non
 
     from specedge.cli import main
     from specedge.exporter.split_head import split_pair_heads
-    from specedge.runtime.manifest import copy_pair
+    from specedge.runtime.files import copy_pair
 
     pair = tmp_path / "pair"
     copy_pair(fixtures_dir / "tiny-llama", pair)

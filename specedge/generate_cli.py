@@ -1,0 +1,289 @@
+"""`specedge generate` and `specedge chat`: text from a pair, streamed, one prompt, a batch
+file of rows, or a conversation. Registered in the `specedge` group by `specedge/cli.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from specedge.cli_base import (
+    GenerationOptions,
+    LoadOptions,
+    clean_errors,
+    generation_options,
+    load_options,
+    new_table,
+    one_line,
+    print_table,
+)
+from specedge.runtime.errors import InputError, SpecEdgeError
+from specedge.runtime.files import json_dumps
+
+if TYPE_CHECKING:
+    from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
+
+
+def _print_stats(result: GenerationResult) -> None:
+    s = result.stats
+    rows = [
+        ("stop reason", result.stop_reason),
+        ("prompt / new tokens", f"{s.prompt_tokens} / {s.new_tokens}"),
+        ("rounds", str(s.rounds)),
+        ("proposed / accepted drafts", f"{s.proposed} / {s.accepted}"),
+        ("acceptance rate", f"{s.acceptance_rate:.1%}"),
+        ("mean tokens per round", f"{s.mean_accepted_length:.2f}"),
+        ("draft / target calls", f"{s.draft_calls} / {s.target_calls}"),
+        ("prefill / draft / verify / host (s)",
+         f"{s.prefill_s:.3f} / {s.draft_s:.3f} / {s.verify_s:.3f} / {s.host_s:.3f}"),
+        ("decode tokens/s", f"{s.tokens_per_s:.1f}"),
+        ("end-to-end tokens/s", f"{s.end_to_end_tokens_per_s:.1f}"),
+    ]
+    print_table(new_table("statistics", ("", ""), rows, show_header=False), stderr=True)
+
+
+def _stream(loaded: Pair, prompt: Any, config: GenerationConfig) -> GenerationResult:
+    """Echo the deltas of one generation as they come; returns its result."""
+    gen = loaded.stream(prompt, config)
+    while True:
+        try:
+            click.echo(next(gen), nl=False)
+        except StopIteration as done:
+            click.echo()
+            return done.value  # type: ignore[no-any-return]
+
+
+_ROW_KEYS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
+             "seed", "stop", "chat"}
+_ROW_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "max_new_tokens": ((int,), "an integer"), "top_k": ((int,), "an integer"),
+    "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
+    "min_p": ((int, float), "a number"), "seed": ((int, type(None)), "an integer or null"),
+    "chat": ((bool,), "true or false"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRows:
+    """The rows of a batch file: prompts, configs, and where each row is (`file:line`)."""
+
+    prompts: list[Any]
+    configs: list[GenerationConfig]
+    where: list[str]
+
+
+def _row_stop(row: dict[str, Any]) -> list[str] | None:
+    """A batch row's stop strings (one string or a list, as the server's `stop`); None when
+    it is neither."""
+    stop = row.get("stop", [])
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        return None
+    return stop
+
+
+def _check_row(row: dict[str, Any], where: str) -> None:
+    """Types of a batch row's fields (JSON gives any type; bool is not a number here)."""
+    from specedge.runtime.text import check_text
+
+    for key, (kinds, name) in _ROW_TYPES.items():
+        if key in row and (not isinstance(row[key], kinds) or
+                           (isinstance(row[key], bool) and bool not in kinds)):
+            raise InputError(f"{where}: \"{key}\" must be {name}, found {row[key]!r}")
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str):
+            raise InputError(f"{where}: \"prompt\" must be a string")
+        if not row["prompt"]:
+            raise InputError(f"{where}: \"prompt\" is empty; give some text")
+        check_text(row["prompt"], f"{where}: \"prompt\"")
+    else:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise InputError(f"{where}: \"messages\" must be a non-empty list of "
+                             "{\"role\": ..., \"content\": ...} objects with string values")
+        for m in messages:
+            check_text(m["content"], f"{where}: a message")
+    stop = _row_stop(row)
+    if stop is None:
+        raise InputError(f"{where}: \"stop\" must be a string or a list of strings")
+    for x in stop:
+        check_text(x, f"{where}: a stop string")
+
+
+def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
+    """Prompts and per-row configs from a JSONL batch file (CLI options are the defaults).
+
+    Raises:
+        InputError: naming `file:line` for a malformed row.
+    """
+    from specedge.runtime.prompts import read_text_file
+    from specedge.runtime.sampling import SamplingParams
+
+    lines = read_text_file(path, "the batch file", "batch file").splitlines()
+    rows = BatchRows([], [], [])
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            raise InputError(f"{where}: not a JSON object") from None
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise InputError(f"{where}: give exactly one of \"prompt\" or \"messages\"")
+        unknown = set(row) - _ROW_KEYS
+        if unknown:
+            raise InputError(f"{where}: unknown key(s) {sorted(unknown)}; use "
+                             f"{', '.join(sorted(_ROW_KEYS))}")
+        _check_row(row, where)
+        s = base.sampling
+        try:
+            sampling = SamplingParams(
+                temperature=row.get("temperature", s.temperature),
+                top_k=row.get("top_k", s.top_k), top_p=row.get("top_p", s.top_p),
+                min_p=row.get("min_p", s.min_p), seed=row.get("seed", s.seed))
+            rows.configs.append(dataclasses.replace(
+                base, sampling=sampling,
+                stop=tuple(_row_stop(row) or ()) if "stop" in row else base.stop,
+                max_new_tokens=row.get("max_new_tokens", base.max_new_tokens),
+                chat=row.get("chat", base.chat or "messages" in row)))
+        except InputError as exc:
+            raise InputError(f"{where}: {exc}") from None
+        rows.prompts.append(row.get("prompt", row.get("messages")))
+        rows.where.append(where)
+    if not rows.prompts:
+        raise InputError(f"{path}: no rows in the batch file")
+    return rows
+
+
+def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, show_stats: bool,
+                    as_json: bool) -> None:
+    rows = _read_batch(batch_file, config)
+    for prompt, cfg, where in zip(rows.prompts, rows.configs, rows.where, strict=True):
+        try:  # the row's own errors (template, length, context) name its line
+            loaded.plan(cfg).check_prompt(len(loaded.encode_prompt(prompt, chat=cfg.chat)))
+        except InputError as exc:
+            raise InputError(f"{where}: {exc}") from None
+    result = loaded.generate_batch(rows.prompts, rows.configs)
+    for i, row in enumerate(result.results):
+        if as_json:
+            click.echo(json_dumps({"row": i, "text": row.text, "tokens": row.tokens,
+                                   "stop_reason": row.stop_reason,
+                                   "stats": row.stats.to_dict()}))
+        else:
+            click.echo(f"[{i}] {row.text}")
+    st = result.stats
+    if show_stats or as_json:
+        summary = {"rows": st.rows, "rounds": st.rounds, "new_tokens": st.new_tokens,
+                   "acceptance_rate": st.acceptance_rate, "decode_s": st.decode_s,
+                   "aggregate_tokens_per_s": st.tokens_per_s}
+        if as_json:
+            click.echo(json_dumps({"batch": summary}))
+        else:
+            click.echo(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in summary.items()), err=True)
+
+
+@click.command()
+@click.argument("pair", type=click.Path(path_type=Path))
+@click.argument("prompt", required=False)
+@generation_options
+@load_options
+@click.option("--chat", is_flag=True, help="Wrap PROMPT in the chat template as a user turn.")
+@click.option("--batch", "batch_file", type=click.Path(path_type=Path), default=None,
+              help="JSONL file, one row per line: {\"prompt\": ...} or {\"messages\": [...]}, "
+                   "with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, "
+                   "stop. Generates all rows as one batch (needs a --graph concat pair).")
+@click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text + stats).")
+@clean_errors
+def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load: LoadOptions,
+             chat: bool, batch_file: Path | None, show_stats: bool, as_json: bool) -> None:
+    """Generate a completion of PROMPT (or of every row of --batch) with the pair PAIR."""
+    if (prompt is None) == (batch_file is None):
+        raise InputError("give a PROMPT or --batch FILE (one of the two)")
+    config = generation.config(chat)
+    loaded = load.load(pair)
+    if batch_file is not None:
+        _generate_batch(loaded, batch_file, config, show_stats, as_json)
+        return
+    assert prompt is not None
+    if as_json:
+        result = loaded.generate(prompt, config)
+        click.echo(json_dumps({"text": result.text, "tokens": result.tokens,
+                               "stop_reason": result.stop_reason,
+                               "stats": result.stats.to_dict()}))
+        return
+    result = _stream(loaded, prompt, config)
+    if show_stats:
+        _print_stats(result)
+
+
+@click.command()
+@click.argument("pair", type=click.Path(path_type=Path))
+@generation_options
+@load_options
+@click.option("--system", default=None, help="System message.")
+@click.option("--stats", "show_stats", is_flag=True, help="Print statistics after each reply.")
+@clean_errors
+def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: str | None,
+         show_stats: bool) -> None:
+    """Chat with the pair in folder PAIR (empty line or Ctrl-D to quit).
+
+    When the conversation outgrows the context, the oldest exchanges are dropped (and named on
+    stderr); a turn that fails prints its error and the conversation goes on.
+    """
+    config = generation.config(False)
+    loaded = load.load(pair)
+    if hasattr(sys.stdin, "reconfigure"):
+        # Undecodable input becomes lone surrogates, refused per turn, instead of ending the
+        # chat with a UnicodeDecodeError.
+        sys.stdin.reconfigure(errors="surrogateescape")
+    head: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    turns: list[dict[str, str]] = []  # user, assistant, user, assistant, ...
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        try:
+            kept, dropped = _fit_context(loaded, head, turns + [
+                {"role": "user", "content": line}], config)
+            if dropped:
+                click.echo(_dropped_note(dropped, loaded.plan(config).limit), err=True)
+            result = _stream(loaded, head + kept, config)
+        except SpecEdgeError as exc:
+            click.echo(f"error: {one_line(str(exc))}", err=True)
+            continue  # the conversation is as it was before this turn
+        turns = kept + [{"role": "assistant", "content": result.text}]
+        if show_stats:
+            _print_stats(result)
+
+
+def _fit_context(loaded: Pair, head: list[dict[str, str]], turns: list[dict[str, str]],
+                 config: GenerationConfig) -> tuple[list[dict[str, str]], list[str]]:
+    """The turns that fit the context with room to answer: the oldest exchanges (a user
+    message and its reply) go first, the last message always stays. Returns (kept, the first
+    words of each dropped exchange)."""
+    limit = loaded.plan(config).limit
+    room = min(config.max_new_tokens, max(1, limit // 4))
+    dropped: list[str] = []
+    while len(turns) > 1 and len(loaded.encode_prompt(head + turns)) + room > limit:
+        dropped.append(turns[0]["content"])
+        turns = turns[2:]
+    return turns, dropped
+
+
+def _dropped_note(dropped: list[str], limit: int) -> str:
+    shown = ", ".join(repr(text[:30] + ("..." if len(text) > 30 else "")) for text in dropped)
+    return one_line(f"note: the conversation outgrew the context of {limit} tokens: dropped "
+                     f"the oldest {len(dropped)} exchange(s), starting {shown}")
