@@ -33,9 +33,12 @@ from .errors import InputError, ModelError
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-# Nucleus (top-p) search: first try these many highest-probability candidates per row (cheap
-# argpartition + small sort); sort every nonzero token only when the nucleus is not provably
-# inside them (very flat distributions).
+# Nucleus (top-p) search. First the tokens above a threshold that the nucleus provably lies
+# above (`_nucleus_by_threshold`: one compare over the vocabulary, then a small sort; at most
+# this many candidates a row); then these many highest-probability candidates per row
+# (argpartition + small sort, ~0.4 ms a row of 49k); every nonzero token sorted only when the
+# nucleus is not provably inside them (very flat distributions).
+_THRESHOLD_CANDIDATES = 4096
 _NUCLEUS_CANDIDATES = (1024, 8192)
 
 __all__ = [
@@ -141,6 +144,42 @@ def _normalize_(p: FloatArray) -> FloatArray:
     return p
 
 
+def _nucleus_by_threshold(p2: FloatArray, total: FloatArray, threshold: FloatArray,
+                          nonzero: IntArray) -> npt.NDArray[np.bool_] | None:
+    """The nucleus mask from the tokens at or above `tau = (total - threshold) / nonzero` per
+    row, or None when a row has more than `_THRESHOLD_CANDIDATES` of them or rounding leaves its
+    nucleus short of `threshold` (the caller then searches otherwise).
+
+    Exact: the tokens below `tau` hold less than `nonzero * tau = total - threshold` together,
+    so the candidates hold more than `threshold` and the nucleus ends inside them; every token
+    tied with the nucleus's last one is at or above `tau` too, and sorting the candidates in id
+    order by descending probability (stable) gives the full sort's prefix, so the same cumulative
+    sums and the same ties (towards the lower id).
+
+    Args:
+        p2: Probabilities `[rows, vocab]`.
+        total: Row sums `[rows]`.
+        threshold: The mass the nucleus must reach, `top_p * total` `[rows]`.
+        nonzero: Nonzero tokens per row `[rows]`.
+    """
+    rows, vocab = p2.shape
+    tau = (total - threshold) / np.maximum(nonzero, 1)
+    above = p2 >= tau[:, None]
+    if int(np.count_nonzero(above, axis=-1).max()) > _THRESHOLD_CANDIDATES:
+        return None
+    mask = np.zeros((rows, vocab), dtype=bool)
+    for r in range(rows):
+        ids = np.flatnonzero(above[r])  # in id order
+        vals = p2[r, ids]
+        order = np.argsort(-vals, kind="stable")
+        cum = np.cumsum(vals[order])
+        n_keep = min(int(np.count_nonzero(cum < threshold[r])) + 1, len(ids))
+        if n_keep == 0 or cum[n_keep - 1] < threshold[r]:
+            return None
+        mask[r, ids[order[:n_keep]]] = True
+    return mask
+
+
 def _nucleus_mask(p2: FloatArray, top_p: float) -> npt.NDArray[np.bool_]:
     """Mask of the smallest most-likely set with cumulative probability ``>= top_p``, per row.
 
@@ -151,9 +190,20 @@ def _nucleus_mask(p2: FloatArray, top_p: float) -> npt.NDArray[np.bool_]:
     Returns:
         Boolean mask ``[rows, vocab]``. Ties are broken towards the lower token id.
     """
+    total = p2.sum(axis=-1)
+    threshold = top_p * total
+    nonzero = np.count_nonzero(p2, axis=-1)
+    fast = _nucleus_by_threshold(p2, total, threshold, nonzero)
+    return fast if fast is not None else _nucleus_by_sorting(p2, threshold, nonzero)
+
+
+def _nucleus_by_sorting(p2: FloatArray, threshold: FloatArray, nonzero: IntArray
+                        ) -> npt.NDArray[np.bool_]:
+    """The nucleus mask by sorting: the highest-probability `_NUCLEUS_CANDIDATES` per row
+    first, every nonzero token when the nucleus is not provably inside them (arguments as
+    `_nucleus_by_threshold`'s)."""
     rows, vocab = p2.shape
-    threshold = top_p * p2.sum(axis=-1)
-    nonzero_max = int(np.count_nonzero(p2, axis=-1).max())
+    nonzero_max = int(nonzero.max())
     # Candidates in token-id order: every nonzero token of each row (zero-padded to the same
     # width). A stable argsort of a boolean key is linear and, unlike argpartition, is not slowed
     # down by the many equal zeros that top-k leaves behind.

@@ -536,6 +536,66 @@ def test_warp_probs_large_vocab_nucleus(
         np.testing.assert_allclose(got, reference_warp(row, params), rtol=1e-9, atol=1e-15)
 
 
+def _reference_nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    """The nucleus of one row by a full sort (ties to the lower id), as `reference_warp`."""
+    keep = np.zeros(p.size, dtype=bool)
+    cum = 0.0
+    for i in sorted(range(p.size), key=lambda i: (-p[i], i)):
+        keep[i] = True
+        cum += p[i]
+        if cum >= top_p * p.sum():
+            break
+    return keep
+
+
+@THOROUGH
+@given(logit_rows, st.floats(0.05, 5.0), st.floats(0.01, 0.999), st.integers(0, 2))
+def test_nucleus_threshold_path_equals_sorting(logits: np.ndarray, temperature: float,
+                                               top_p: float, rounding: int) -> None:
+    """The threshold search (`_nucleus_by_threshold`, tried first) keeps exactly the set that
+    sorting keeps, ties included (rounded logits make many), and so does the sorting path it
+    falls back to."""
+    from specedge.runtime import sampling
+
+    z = np.round(logits, rounding) if rounding else logits
+    p2 = softmax(z / temperature, axis=-1)
+    total = p2.sum(axis=-1)
+    threshold = top_p * total
+    nonzero = np.count_nonzero(p2, axis=-1)
+    fast = sampling._nucleus_by_threshold(p2, total, threshold, nonzero)
+    slow = sampling._nucleus_by_sorting(p2, threshold, nonzero)
+    for r, row in enumerate(p2):
+        want = _reference_nucleus(row, top_p)
+        np.testing.assert_array_equal(slow[r], want)
+        if fast is not None:
+            np.testing.assert_array_equal(fast[r], want)
+
+
+def test_nucleus_threshold_path_runs_on_a_real_vocabulary_and_falls_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peaked row of a 49k vocabulary takes the threshold path (a compare and a small sort:
+    ~0.26 ms a row against ~0.83 ms by argpartition, on the reference pair's logits); a row with
+    more candidates than `_THRESHOLD_CANDIDATES` falls back to sorting, and warp_probs is the
+    reference's either way."""
+    from specedge.runtime import sampling
+
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((2, 49152)).astype(np.float32) * 3
+    logits[:, :8] += 12  # a few likely tokens, as a language model's next token
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    p2 = softmax(logits.astype(np.float64) / 0.7, axis=-1)
+    total = p2.sum(axis=-1)
+    assert sampling._nucleus_by_threshold(p2, total, 0.9 * total,
+                                          np.count_nonzero(p2, axis=-1)) is not None
+    fast = warp_probs(logits, params)
+    monkeypatch.setattr(sampling, "_THRESHOLD_CANDIDATES", 0)
+    assert sampling._nucleus_by_threshold(p2, total, 0.9 * total,
+                                          np.count_nonzero(p2, axis=-1)) is None
+    np.testing.assert_array_equal(warp_probs(logits, params), fast)
+    for row, got in zip(logits, fast, strict=True):
+        np.testing.assert_allclose(got, reference_warp(row, params), rtol=1e-9, atol=1e-15)
+
+
 def test_warp_probs_temperature_is_softmax() -> None:
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((2, 3, 17)).astype(np.float32) * 5
