@@ -51,8 +51,18 @@ class BenchOptions:
     warmup: int = 1
     chat: bool = True
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
     seed: int = 0
     categories: tuple[str, ...] | None = None  # one per prompt: results also per category
+
+    def sampling(self) -> SamplingParams:
+        """The sampling every setting uses (seeded when sampling, so the settings sample the
+        same tokens where their drafts agree)."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              min_p=self.min_p,
+                              seed=self.seed if self.temperature > 0 else None)
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -62,6 +72,7 @@ class BenchOptions:
                              "prompts; give one category per prompt")
         if self.repeats < 1 or self.warmup < 0:
             raise InputError("--repeats must be >= 1 and --warmup >= 0")
+        self.sampling()  # validates temperature, top-k, top-p and min-p
         GenerationConfig(max_new_tokens=self.max_new_tokens)  # validates it, as generate does
         if not self.ks or any(not 1 <= k <= 64 for k in self.ks):
             raise InputError(f"--ks takes values in 1..64, got {listed(self.ks)}")
@@ -195,8 +206,7 @@ def measure_costs(pair: Pair, past_len: int = 128, max_new: int = 9, reps: int =
 def run_bench(pair: Pair, options: BenchOptions,
               progress: Callable[[str, int], None] | None = None) -> BenchReport:
     """Run the benchmark; `progress(label, advance)` is called after each generation."""
-    sampling = SamplingParams(temperature=options.temperature, seed=options.seed
-                              if options.temperature > 0 else None)
+    sampling = options.sampling()
     settings = [SettingResult("target only", None)]
     if pair.draft is not None or options.drafter == "ngram":
         settings += [SettingResult(f"K={k}", k) for k in options.ks]

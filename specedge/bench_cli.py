@@ -5,12 +5,16 @@ speed-ups), or with `--batch` its batched decoding. Registered in the `specedge`
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from specedge.cli_base import (
     COMMA_INTS,
+    MIN_P,
     TEMPERATURE,
+    TOP_K,
+    TOP_P,
     LoadOptions,
     clean_errors,
     ks_option,
@@ -23,6 +27,9 @@ from specedge.cli_base import (
 from specedge.runtime.errors import InputError
 from specedge.runtime.files import json_dumps, write_atomic
 from specedge.runtime.manifest import DRAFTERS
+
+if TYPE_CHECKING:
+    from specedge.runtime.sampling import SamplingParams
 
 
 @click.command()
@@ -37,6 +44,9 @@ from specedge.runtime.manifest import DRAFTERS
 @click.option("--repeats", default=3, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int)
 @TEMPERATURE
+@TOP_K
+@TOP_P
+@MIN_P
 @click.option("--plain", is_flag=True, help="Plain prompts (no chat template).")
 @load_options
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
@@ -49,7 +59,8 @@ from specedge.runtime.manifest import DRAFTERS
 @clean_errors
 def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[int, ...],
           no_adaptive: bool, drafter: str, repeats: int, warmup: int, temperature: float,
-          plain: bool, load: LoadOptions, json_out: Path | None, plot_out: Path | None,
+          top_k: int, top_p: float, min_p: float, plain: bool, load: LoadOptions,
+          json_out: Path | None, plot_out: Path | None,
           batches: tuple[int, ...] | None) -> None:
     """Measure PAIR: target only, K sweep and adaptive K, with predicted speed-ups."""
     from rich.console import Console
@@ -61,9 +72,10 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
         if out is not None:  # a full or read-only disk fails now, not after the measurements
             _check_output_file(out, pair)
     if batches is not None:
-        if temperature:
+        if temperature or top_k or top_p != 1.0 or min_p:
             raise InputError("bench --batch measures greedy decoding (its rows are checked "
-                             "token for token); drop --temperature")
+                             "token for token); drop --temperature, --top-k, --top-p and "
+                             "--min-p")
         _bench_batches(pair, prompts_file, batches, ks, max_new_tokens, not no_adaptive,
                        not plain, load, json_out, drafter)
         return
@@ -72,7 +84,7 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
     options = b.BenchOptions(
         prompts=read_prompt_file(prompts_file, b.DEFAULT_PROMPTS), max_new_tokens=max_new_tokens,
         ks=ks, adaptive=not no_adaptive, drafter=drafter, repeats=repeats, warmup=warmup,
-        chat=not plain, temperature=temperature,
+        chat=not plain, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         categories=read_categories(prompts_file) if prompts_file is not None else None)
     loaded = load.load(pair)
     with Progress(console=Console(stderr=True), transient=True) as progress:
@@ -81,8 +93,9 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
                              lambda label, n: progress.update(task, advance=n,
                                                               description=label))
     print_table(new_table(f"specedge bench {pair} ({len(options.prompts)} prompts x "
-                           f"{options.max_new_tokens} tokens, {options.repeats} repeats)",
-                           b.HEADERS, b.format_rows(report)))
+                          f"{options.max_new_tokens} tokens, {options.repeats} repeats, "
+                          f"{_sampling_note(options.sampling())})",
+                          b.HEADERS, b.format_rows(report)))
     if options.categories is not None:
         headers, rows = b.format_category_rows(report)
         print_table(new_table("speed-up over target only, by prompt category", headers, rows))
@@ -99,6 +112,17 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
     if plot_out:
         written = b.plot(report, plot_out)
         click.echo(f"wrote {written}" if written else "matplotlib is not installed: no plot")
+
+
+def _sampling_note(params: SamplingParams) -> str:
+    """How the settings decode, for the table's title: greedy, or the sampling knobs set."""
+    if params.greedy:
+        return "greedy"
+    knobs = [f"temperature {params.temperature:g}"]
+    knobs += [f"top-k {params.top_k}"] if params.top_k else []
+    knobs += [f"top-p {params.top_p:g}"] if params.top_p < 1 else []
+    knobs += [f"min-p {params.min_p:g}"] if params.min_p else []
+    return ", ".join(knobs) + f", seed {params.seed}"
 
 
 def _check_output_file(path: Path, pair: Path) -> None:

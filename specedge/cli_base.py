@@ -205,6 +205,12 @@ def ks_option(default: str, help: str) -> Callable[[F], F]:
 
 TEMPERATURE = click.option("--temperature", default=0.0, show_default=True, type=float,
                            help="0 = greedy.")
+TOP_K = click.option("--top-k", default=0, show_default=True, type=int,
+                     help="0 = off (with --temperature > 0).")
+TOP_P = click.option("--top-p", default=1.0, show_default=True, type=float,
+                     help="Nucleus; 1 = off (with --temperature > 0).")
+MIN_P = click.option("--min-p", default=0.0, show_default=True, type=float,
+                     help="0 = off (with --temperature > 0).")
 NO_VERIFY = click.option("--no-verify", is_flag=True,
                          help="Skip the sha256 check of the model files (logged).")
 FORCE = click.option("--force", is_flag=True, help="Replace an existing output folder.")
@@ -316,9 +322,9 @@ class GenerationOptions:
 generation_options = _collect("generation", GenerationOptions, [
     max_new_tokens_option(128),
     TEMPERATURE,
-    click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
-    click.option("--top-p", default=1.0, show_default=True, type=float),
-    click.option("--min-p", default=0.0, show_default=True, type=float),
+    TOP_K,
+    TOP_P,
+    MIN_P,
     click.option("--seed", default=None, type=int, help="Seed of the sampler."),
     click.option("--num-draft-tokens", "-k", default=None, type=int,
                  help="Draft length K (default: the pair's)."),

@@ -106,3 +106,51 @@ def test_bench_by_category(tiny_pair: Pair, tmp_path: Path) -> None:
     assert read_categories(tmp_path / "p.txt") is None
     with pytest.raises(InputError, match="one category per prompt"):
         bench.BenchOptions(prompts=("a", "b"), categories=("x",))
+
+
+def test_bench_measures_the_sampling_asked_for(tiny_pair: Pair, tiny_pair_dir: Path,
+                                               tmp_path: Path) -> None:
+    """`bench --temperature/--top-k/--top-p/--min-p` measures that sampling in every setting
+    (before, only the temperature reached the settings: a top-p user benchmarked another
+    distribution), says so in the title and the JSON, and refuses bad values and batches with a
+    clean line before any work."""
+    from specedge.cli import main
+
+    options = bench.BenchOptions(prompts=("The quick",), max_new_tokens=8, ks=(2,), repeats=1,
+                                 warmup=0, chat=False, temperature=0.7, top_k=40, top_p=0.9,
+                                 min_p=0.05)
+    params = options.sampling()
+    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.seed) == (
+        0.7, 40, 0.9, 0.05, 0)
+    seen: list[object] = []
+    real = tiny_pair.generate
+
+    def spy(prompt: object, config: object = None) -> object:
+        seen.append(config.sampling)  # type: ignore[union-attr]
+        return real(prompt, config)  # type: ignore[arg-type]
+
+    tiny_pair.generate = spy  # type: ignore[method-assign]
+    try:
+        bench.run_bench(tiny_pair, options)
+    finally:
+        del tiny_pair.generate
+    assert seen and all(s == params for s in seen)
+
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", str(tiny_pair_dir), "--ks", "2", "--repeats", "1",
+                                       "--max-new-tokens", "8", "--plain", "--no-adaptive",
+                                       "--temperature", "0.7", "--top-p", "0.9", "--json",
+                                       str(out)])
+    assert result.exit_code == 0, result.output
+    assert "temperature 0.7, top-p 0.9, seed 0" in result.output
+    saved = json.loads(out.read_text())["options"]
+    assert (saved["temperature"], saved["top_p"], saved["top_k"]) == (0.7, 0.9, 0)
+    for args, what in ((["--top-p", "1.5"], "top_p"), (["--top-k", "-1"], "top_k"),
+                       (["--min-p", "1"], "min_p")):
+        bad = CliRunner().invoke(main, ["bench", str(tiny_pair_dir), "--temperature", "0.7",
+                                        *args])
+        assert bad.exit_code == 1 and bad.output.strip().count("\n") == 0, bad.output
+        assert what in bad.output
+    batch = CliRunner().invoke(main, ["bench", str(tiny_pair_dir), "--batch", "1", "--top-p",
+                                      "0.9"])
+    assert batch.exit_code == 1 and "greedy" in batch.output and "--top-p" in batch.output
