@@ -52,6 +52,31 @@ def _fixed_entropy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(SamplingParams, "make_rng", make_rng)
 
 
+# The k a scripted tuner picks, round after round: k = 0 rounds (plain decoding, the draft left
+# behind), leaving k = 0 (the draft's catch-up), and every k up to 4, as a real tuner does over a
+# long generation.
+TUNER_SCRIPT = (0, 3, 1, 0, 0, 4, 2, 0, 3)
+
+
+@pytest.fixture(autouse=True)
+def _scripted_adaptive_k(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive K picks k from `TUNER_SCRIPT` (capped at its k max) instead of from measured
+    costs. On this CPU a real tuner measures that the tiny pairs' drafts do not pay and settles
+    on k = 0 within a round or two: an exactness test of an adaptive setting then compared
+    target-only decoding with itself, and what it covered changed with the machine's speed
+    (a test audit counted 0-2 drafts in 20-40 rounds). Scripted, every adaptive generation
+    drafts, stops drafting and catches its draft up, the same way on every machine. Tests of the
+    tuner's own choices are marked `real_tuner`."""
+    if request.node.get_closest_marker("real_tuner") is not None:
+        return
+    from specedge.runtime.drafters import AdaptiveK
+
+    def choose(self: AdaptiveK) -> int:
+        return min(self.k_max, TUNER_SCRIPT[self.rounds % len(TUNER_SCRIPT)])
+
+    monkeypatch.setattr(AdaptiveK, "choose", choose)
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("SPECEDGE_FIXTURES")

@@ -19,6 +19,9 @@ import pytest
 from specedge.runtime.drafters import AdaptiveK
 from specedge.runtime.pair import GenerationConfig, Pair
 
+# The tuner's own choices are under test here (conftest scripts them elsewhere).
+pytestmark = pytest.mark.real_tuner
+
 PROFILES = {
     "flat-0.97": [0.97] * 8,  # an int8 self-draft (measured 0.97 at every depth)
     "flat-0.8": [0.8] * 8,

@@ -29,9 +29,13 @@ def test_token_level_generation_times_its_whole_run(concat_pair: Pair) -> None:
     _, _, stats = concat_pair.generate_ids(ids, FIXED)
     assert stats.total_s >= stats.prefill_s + stats.decode_s > 0
     assert stats.end_to_end_tokens_per_s > 0
-    gen = concat_pair.stream_tokens(ids, FIXED)
+    from specedge.runtime.stats import GenerationStats
+
+    early = GenerationStats()
+    gen = concat_pair.stream_tokens(ids, FIXED, early)
     next(gen)
     gen.close()  # closed early: still timed
+    assert early.total_s > 0
 
 
 def test_a_stream_does_not_count_its_callers_time_as_decoding(concat_pair: Pair) -> None:

@@ -64,8 +64,7 @@ def test_greedy_rows_equal_batch1(concat_pair: Pair, k: int, adaptive: bool,
         lengths.add(len(got.tokens))
     assert len(lengths) > 1, "rows should stop at different times"
     assert batch.stats.new_tokens == sum(len(r.tokens) for r in batch.results)
-    if not adaptive:
-        assert batch.stats.proposed > 0 and batch.stats.accepted > 0
+    assert batch.stats.proposed > 0 and batch.stats.accepted > 0
     assert batch.stats.live_rows[0] == 4 and batch.stats.live_rows[-1] < 4
 
 
@@ -79,6 +78,7 @@ def test_batch_target_only_and_single_row(concat_pair: Pair) -> None:
                                                                       drafter="model",
                                                                       num_draft_tokens=2))
     assert one.results[0].tokens == batch.results[1].tokens
+    assert one.stats.proposed > 0
 
 
 def test_eos_rows_leave_the_batch(concat_pair: Pair) -> None:
@@ -139,7 +139,7 @@ def test_batched_sampling_keeps_each_rows_distribution(concat_pair: Pair) -> Non
         if run < 200 and run % 2 == 0:  # same seed, same row alone: the same tokens
             same += sum(pair.generate_ids(i, c)[0] == r.tokens
                         for i, c, r in zip(ids, configs, batch.results, strict=True))
-    assert same >= 0.97 * 400
+    assert same == 400  # position-keyed: a seeded row is its batch-1 run, token for token
     assert accepted > 0, "no draft was ever accepted: the test would prove nothing"
     for row in range(len(prompts)):
         first, second = exact[row]

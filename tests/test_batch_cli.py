@@ -86,10 +86,20 @@ def test_bench_batch_reports_every_batch_and_setting(runner: CliRunner, concat_d
 
 
 def test_bench_batch_takes_the_drafter(runner: CliRunner, concat_dir: Path,
-                                       tmp_path: Path) -> None:
+                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: `bench --batch` ignored `--drafter` and always drafted with the model. With
     n-gram drafts the draft model is never called (no draft-step cost) and repeated prompts
     get free drafts; the rows are still exact."""
+    from specedge.runtime.backend import OrtModel
+
+    models: list[OrtModel] = []
+    init = OrtModel.__init__
+
+    def recording(self: OrtModel, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        models.append(self)
+
+    monkeypatch.setattr(OrtModel, "__init__", recording)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join("one two three four one two three four one two three " * 2
                                  for _ in range(2)))
@@ -98,6 +108,9 @@ def test_bench_batch_takes_the_drafter(runner: CliRunner, concat_dir: Path,
                     "--drafter", "ngram", "--no-adaptive", "--prompts", prompts,
                     "--max-new-tokens", "8", "--plain", "--json", out)
     assert result.exit_code == 0, result.output
+    # What decoding ran, not what the option said: the draft model never ran.
+    assert [m.calls for m in models if m.name == "draft"] in ([], [0])
+    assert sum(m.calls for m in models if m.name == "target") > 0
     report = json.loads(out.read_text())
     assert report["drafter"] == "ngram"
     for b in ("1", "2"):

@@ -116,6 +116,7 @@ def _check_batch1(pair_dir: Path, reference: Pair, prompts: list[str]) -> None:
     on = _with(pair_dir, device_argmax=True)
     assert on.target.head is not None and reference.target.head is None
     spy = _Spy(on.target.head, "run")
+    accepted = dict.fromkeys(SPECULATIVE, 0)
     for prompt in prompts:
         want = reference.generate(prompt, GenerationConfig(max_new_tokens=24, drafter="none"))
         alone = on.generate(prompt, GenerationConfig(max_new_tokens=24, drafter="none"))
@@ -124,6 +125,8 @@ def _check_batch1(pair_dir: Path, reference: Pair, prompts: list[str]) -> None:
             got = on.generate(prompt, cfg)
             assert got.tokens == want.tokens, (prompt, cfg)
             assert got.text == want.text
+            accepted[cfg] += got.stats.accepted
+    assert all(accepted.values()), accepted  # every setting verified accepted drafts
     # every target call of every greedy generation went through the head
     assert spy.calls >= len(prompts) * (1 + len(SPECULATIVE)) * 2
 

@@ -77,17 +77,27 @@ def test_ragged_rows_equal_the_numpy_path_bit_for_bit(on_device: Pair, on_host: 
 ], ids=["target-only", "K=3", "adaptive", "ngram"])
 def test_greedy_generation_is_unchanged(on_device: Pair, on_host: Pair,
                                         cfg: GenerationConfig) -> None:
-    alone = [on_host.generate_ids(on_host.encode_prompt(p), cfg)[0] for p in PROMPTS]
-    assert [on_device.generate_ids(on_device.encode_prompt(p), cfg)[0]
-            for p in PROMPTS] == alone
-    assert [r.tokens for r in on_device.generate_batch(PROMPTS, cfg).results] == alone
+    target_only = replace(cfg, drafter="none")
+    alone = [on_host.generate_ids(on_host.encode_prompt(p), target_only)[0] for p in PROMPTS]
+    runs = [on_device.generate_ids(on_device.encode_prompt(p), cfg) for p in PROMPTS]
+    assert [ids for ids, _, _ in runs] == alone
+    assert [on_host.generate_ids(on_host.encode_prompt(p), cfg)[0] for p in PROMPTS] == alone
+    batch = on_device.generate_batch(PROMPTS, cfg)
+    assert [r.tokens for r in batch.results] == alone
+    if cfg.drafter != "none":  # it speculated: rows and catch-ups went through the device KV
+        assert sum(st.proposed for _, _, st in runs) > 0 and batch.stats.proposed > 0
+        assert sum(st.accepted for _, _, st in runs) > 0
 
 
 def test_seeded_sampling_is_unchanged(on_device: Pair, on_host: Pair) -> None:
     cfg = GenerationConfig(max_new_tokens=20, drafter="model", num_draft_tokens=3,
                            sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=11))
-    a = [r.tokens for r in on_device.generate_batch(PROMPTS, cfg).results]
+    batch = on_device.generate_batch(PROMPTS, cfg)
+    a = [r.tokens for r in batch.results]
     assert a == [r.tokens for r in on_host.generate_batch(PROMPTS, cfg).results]
+    assert a == [r.tokens for r in on_host.generate_batch(
+        PROMPTS, replace(cfg, drafter="none")).results]
+    assert batch.stats.proposed > 0
 
 
 @pytest.mark.export

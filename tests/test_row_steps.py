@@ -180,7 +180,9 @@ def test_tiny_speculation_with_two_row_steps_equals_target_only(tiny_pair_dir: P
         for cfg in (GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=3,
                                      adaptive=False),
                     GenerationConfig(max_new_tokens=24, drafter="hybrid", num_draft_tokens=4)):
-            assert pair.generate_ids(ids, cfg)[0] == base
+            got, _, st = pair.generate_ids(ids, cfg)
+            assert got == base
+            assert st.proposed > 0 and st.accepted > 0
 
 
 # ---------------------------------------------------------------- a real int4 target

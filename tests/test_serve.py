@@ -92,10 +92,12 @@ def served(request: pytest.FixtureRequest, pairs: dict[str, Pair]) -> Iterator[S
 
 def solo(pair: Pair, prompt: Any, max_tokens: int, temperature: float = 0.0,
          seed: int | None = None, stop: tuple[str, ...] = (), chat: bool = True) -> Any:
-    """What `specedge generate [--chat]` gives with these settings."""
+    """What `specedge generate --no-speculation [--chat]` gives with these settings: the
+    target's own decoding, which the speculative server must reproduce (seeded sampling is
+    position-keyed, so seeded rows match it too)."""
     sampling = SamplingParams(temperature=temperature, seed=seed)
     return pair.generate(prompt, GenerationConfig(max_new_tokens=max_tokens, sampling=sampling,
-                                                  stop=stop, chat=chat))
+                                                  stop=stop, chat=chat, drafter="none"))
 
 
 def capture_jobs(app: Any) -> list[Any]:
@@ -134,6 +136,8 @@ def test_openai_client_equals_generate(served: Served) -> None:
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
         len(want.prompt_tokens), len(want.tokens))
     assert 0.0 <= reply.usage.model_extra["specedge"]["acceptance_rate"] <= 1.0
+    spec = reply.usage.model_extra["specedge"]
+    assert spec["proposed"] > 0 and spec["accepted"] > 0  # it speculated, and matched anyway
 
     chunks = list(client.chat.completions.create(
         model=model, messages=messages, max_tokens=24, temperature=0, stream=True,
@@ -186,7 +190,13 @@ def test_sixteen_concurrent_streams_equal_solo_runs(served: Served) -> None:
                                       max_retries=0, timeout=120) as client:
             return await asyncio.gather(*(one(client, c) for c in cases))
 
+    proposed = _metric(served, "specedge_draft_tokens_proposed_total")
+    accepted = _metric(served, "specedge_draft_tokens_accepted_total")
     got = asyncio.run(main())
+    # The streams drafted (a concat server's continuous batch proposed none before the tests
+    # scripted adaptive K: its real tuner settled on k = 0) and still equal target-only.
+    assert _metric(served, "specedge_draft_tokens_proposed_total") > proposed
+    assert _metric(served, "specedge_draft_tokens_accepted_total") > accepted
     for (prompt, n, temperature, seed), text in zip(cases, got, strict=True):
         assert text == solo(served.pair, prompt, n, temperature, seed).text, (prompt, n)
     scheduler = served.app.state.scheduler

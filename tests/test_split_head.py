@@ -116,18 +116,27 @@ def test_greedy_generation_equals_the_whole_graph(split_pair: Pair, whole_pair: 
                                                   drafter: str) -> None:
     config = GenerationConfig(max_new_tokens=40, drafter=drafter)
     target_only = GenerationConfig(max_new_tokens=40, drafter="none")
+    accepted = 0
     for prompt in PROMPTS:
         ids = split_pair.encode_prompt(prompt)
         want = whole_pair.generate_ids(ids, target_only)[0]
-        assert split_pair.generate_ids(ids, config)[0] == want, prompt
+        got, _, st = split_pair.generate_ids(ids, config)
+        assert got == want, prompt
+        accepted += st.accepted
+    # blocks of accepted drafts went through the shortlist (its several-position path)
+    assert (accepted > 0) == (drafter != "none")
 
 
 def test_sampling_equals_the_whole_graph(split_pair: Pair, whole_pair: Pair) -> None:
     config = GenerationConfig(max_new_tokens=24, drafter="model",
                               sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=3))
+    proposed = 0
     for prompt in PROMPTS[:3]:
         ids = split_pair.encode_prompt(prompt)
-        assert split_pair.generate_ids(ids, config)[0] == whole_pair.generate_ids(ids, config)[0]
+        got, _, st = split_pair.generate_ids(ids, config)
+        assert got == whole_pair.generate_ids(ids, config)[0]
+        proposed += st.proposed
+    assert proposed > 0
 
 
 def test_a_failed_check_runs_the_whole_graph(split_dir: Path, monkeypatch: pytest.MonkeyPatch,
