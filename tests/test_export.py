@@ -45,9 +45,10 @@ def test_architecture_exports_validates_and_decodes(work: Path, arch: str) -> No
     pair = Pair.load(report.folder)
     ids = pair.encode_prompt("The quick brown fox jumps")
     base, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=24, drafter="none"))
-    spec, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=24, drafter="ngram",
+    spec, _, st = pair.generate_ids(ids, GenerationConfig(max_new_tokens=24, drafter="ngram",
                                                          num_draft_tokens=4, adaptive=False))
     assert spec == base
+    assert st.proposed > 0  # it speculated
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
@@ -67,9 +68,10 @@ def test_quantized_drafts_report_agreement(work: Path, precision: str) -> None:
     pair = Pair.load(report.folder)
     ids = pair.encode_prompt("Edge devices")
     base, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=20, drafter="none"))
-    spec, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=20, drafter="model",
+    spec, _, st = pair.generate_ids(ids, GenerationConfig(max_new_tokens=20, drafter="model",
                                                          num_draft_tokens=3, adaptive=False))
     assert spec == base
+    assert st.proposed > 0  # it speculated
 
 
 def _no_leftovers(out: Path) -> None:
@@ -277,9 +279,10 @@ def test_llama_concat_pair_decodes(llama_concat_pair: Path) -> None:
     pair = Pair.load(llama_concat_pair)
     ids = pair.encode_prompt("Edge devices")
     base, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=20, drafter="none"))
-    spec, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=20, drafter="model",
+    spec, _, st = pair.generate_ids(ids, GenerationConfig(max_new_tokens=20, drafter="model",
                                                          num_draft_tokens=3, adaptive=False))
     assert spec == base
+    assert st.proposed > 0  # it speculated
 
 
 @pytest.mark.parametrize("model", ["target", "draft"])
@@ -402,9 +405,10 @@ def test_gemma3_exports_in_the_fast_form(work: Path) -> None:
     pair = Pair.load(report.folder)
     ids = pair.encode_prompt("The quick brown fox jumps over the lazy dog and")
     base, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=80, drafter="none"))
-    spec, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=80, drafter="model",
+    spec, _, st = pair.generate_ids(ids, GenerationConfig(max_new_tokens=80, drafter="model",
                                                          num_draft_tokens=4, adaptive=False))
     assert spec == base  # past the 64-token sliding window of the tiny config
+    assert st.proposed > 0  # it speculated
 
 
 def test_gemma3_rotary_configs_the_builder_cannot_take_stay_concat() -> None:
