@@ -23,6 +23,7 @@ from specedge.cli_base import (
     FORCE,
     NO_VERIFY,
     CommaSeparated,
+    OneLineErrors,
     clean_errors,
     ks_option,
     max_new_tokens_option,
@@ -40,7 +41,7 @@ from specedge.runtime.manifest import DRAFTERS
 # ----------------------------------------------------------------------------- commands
 
 
-@click.group()
+@click.group(cls=OneLineErrors)
 @click.version_option(package_name="specedge")
 @click.option("-v", "--verbose", count=True,
               help="Show ONNX Runtime's own log (-v warnings and errors, -vv info) and "

@@ -130,6 +130,40 @@ def clean_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class _OneLineUsageError(click.UsageError):
+    """A usage error shown as one `error:` line with the help hint, like every other error."""
+
+    def show(self, file: Any = None) -> None:
+        hint = f" Try '{self.ctx.command_path} --help'." if self.ctx is not None else ""
+        click.echo(f"error: {one_line(self.message)}{hint}", err=True)
+
+
+@contextmanager
+def _one_line_usage() -> Iterator[None]:
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise  # `specedge` alone prints the help
+    except click.UsageError as exc:
+        if isinstance(exc, _OneLineUsageError):
+            raise
+        raise _OneLineUsageError(exc.format_message(), exc.ctx) from None
+
+
+class OneLineErrors(click.Group):
+    """The CLI's group: click's own usage errors (a missing argument, an unknown option, a bad
+    choice) print one `error:` line and exit 2, instead of click's usage block."""
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        with _one_line_usage():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _one_line_usage():
+            return super().invoke(ctx)
+
+
 # ----------------------------------------------------------------------------- parameter types
 
 

@@ -191,11 +191,28 @@ def test_unavailable_provider(runner: CliRunner, tiny_pair_dir: Path, providers:
 
 
 def test_bad_choice_is_a_usage_error(runner: CliRunner, tiny_pair_dir: Path) -> None:
-    # click's own usage errors exit 2 with "Usage:" + "Error:" lines; just no traceback.
+    # click's own usage errors print one line too (not click's usage block), and exit 2
     result = invoke(runner, "generate", tiny_pair_dir, "hi", "--drafter", "oracle")
+    line = assert_clean_error(result, "Invalid value for '--drafter'")
     assert result.exit_code == 2
-    assert "Traceback" not in result.output
-    assert "Invalid value for '--drafter'" in result.stderr
+    assert line.endswith(" generate --help'."), line
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("generate",), "Missing argument 'PAIR'"),
+    (("generate", "p", "--k", "2"), "No such option '--k'. Did you mean '--top-k'?"),
+    (("bench", "p", "--ks", "two"), "Invalid value for '--ks'"),
+    (("nosuch",), "No such command 'nosuch'"),
+])
+def test_usage_errors_are_one_line(runner: CliRunner, args: tuple[str, ...], message: str) -> None:
+    result = invoke(runner, *args)
+    assert_clean_error(result, message)
+    assert result.exit_code == 2
+
+
+def test_no_arguments_still_prints_help(runner: CliRunner) -> None:
+    result = invoke(runner)
+    assert result.exit_code == 2 and "Commands:" in result.output
 
 
 # ----------------------------------------------------------------------------- inspect
