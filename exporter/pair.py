@@ -30,7 +30,7 @@ from typing import Any
 
 from specedge import __version__
 from specedge.runtime.errors import ExportError, InputError, OutputError
-from specedge.runtime.files import sha256_file
+from specedge.runtime.files import check_writable, sha256_file
 from specedge.runtime.manifest import (
     DRAFTERS,
     MANIFEST_NAME,
@@ -218,8 +218,10 @@ def check_output(output: Path, *, force: bool, inputs: Iterable[str | Path | Non
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"{parent}: cannot create the output folder ({exc.strerror})") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{parent}: not writable; choose another --output")
+    try:  # a probe write, not os.access: root passes that check on a read-only folder
+        check_writable(parent, 0)
+    except OutputError as exc:
+        raise InputError(f"{exc}; choose another --output") from None
     return out
 
 

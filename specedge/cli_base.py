@@ -135,7 +135,7 @@ class _OneLineUsageError(click.UsageError):
 
     def show(self, file: Any = None) -> None:
         hint = f" Try '{self.ctx.command_path} --help'." if self.ctx is not None else ""
-        click.echo(f"error: {one_line(self.message)}{hint}", err=True)
+        click.echo(f"error: {one_line(' '.join(self.message.split()))}{hint}", err=True)
 
 
 @contextmanager

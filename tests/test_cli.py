@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnxruntime as ort
@@ -295,21 +296,38 @@ def test_export_output_is_a_file(runner: CliRunner, tmp_path: Path) -> None:
                        "not a folder")
 
 
+@pytest.fixture
+def read_only_folder(tmp_path: Path) -> Iterator[Path]:
+    """A folder nobody here can write in: chmod 0o555, or for root (whom modes do not stop)
+    sysfs's root, which refuses new files to root too."""
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        folder = tmp_path / "ro"
+        folder.mkdir()
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    sysfs = Path("/sys")
+    try:
+        (sysfs / ".specedge-probe").open("x").close()
+    except OSError:
+        yield sysfs
+        return
+    (sysfs / ".specedge-probe").unlink()
+    pytest.skip("running as root with a writable /sys: no read-only folder to test with")
+
+
 @pytest.mark.export
 @needs_torch
-def test_export_read_only_parent(runner: CliRunner, tmp_path: Path) -> None:
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        pytest.skip("running as root: chmod 0o555 does not stop root from writing")
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o555)
-    try:
-        out = parent / "out"
-        assert_clean_error(invoke(runner, "export", tmp_path / "no-such-model", "-o", out),
-                           "not writable")
-        assert not out.exists()
-    finally:
-        parent.chmod(0o755)
+def test_export_read_only_parent(runner: CliRunner, tmp_path: Path,
+                                 read_only_folder: Path) -> None:
+    # Before the probe write, root passed os.access on a read-only folder and failed later,
+    # in the staging folder's mkdtemp, without saying what to do.
+    out = read_only_folder / "specedge-out"
+    line = assert_clean_error(invoke(runner, "export", tmp_path / "no-such-model", "-o", out),
+                              "cannot write in")
+    assert "choose another --output" in line
+    assert not out.exists()
 
 
 @pytest.mark.export
