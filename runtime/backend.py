@@ -14,11 +14,10 @@ logits of sampled rows only); blocks, prefills and batches copy their logits to 
 tokens runs on the cache's fixed buffers and replays a CUDA graph per width. Both give the tokens
 of the plain path; on the CPU both run too (tests), without capture.
 
-The model files are untrusted: before ONNX Runtime opens a model, the external-data files the
-ONNX protobuf names are read from it (`external_data_files`) and must be files the manifest lists
-(hence confined and hashed); the declared shapes (KV heads, head size, logits width, a reduced
-vocabulary's size) must match what the graph holds, and a KV cache is allocated only if it fits
-the memory available.
+The model files are untrusted: `runtime/model_checks` checks them before ONNX Runtime opens a
+model (the external-data files it names must be files the manifest lists) and after (the
+declared shapes must be what the graph holds); a KV cache is allocated only if it fits the memory
+available.
 
 A speculative target must compute a position the same way alone (a decode step) and inside a
 verification block, or speculation is not the target's decoding (see `rowprobe`).
@@ -32,7 +31,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +39,11 @@ import onnxruntime as ort
 
 from . import host_argmax
 from .device_kv import DeviceKV, KVOps
-from .errors import InputError, ManifestError, ModelError
-from .files import confine
+from .errors import InputError, ModelError
 from .greedy_head import GreedyHead
 from .kvcache import MAX_FIXED_WIDTH, FixedBuffers, KVCache
-from .manifest import MANIFEST_NAME, ModelSpec
-from .onnx_file import external_data_files
+from .manifest import ModelSpec
+from .model_checks import check_external_data, check_io, load_vocab_ids
 from .rowprobe import RowProbe
 from .sessions import (
     NO_GRAPH_OPTIONS,
@@ -107,7 +104,7 @@ class OrtModel:
         rel = spec.path if head is None else head.body
         path = root / rel
         for model_file in (rel,) if head is None else (rel, head.logits, head.shortlist):
-            self._check_external_data(root, model_file)
+            check_external_data(root, model_file, spec, name)
         self.split: SplitHead | None = None
         if head is not None:
             self.split = SplitHead(root, head, session_options(config), provider_chain(config))
@@ -132,7 +129,7 @@ class OrtModel:
                 f"bound in place), but the manifest says {spec.graph!r}; re-export the pair "
                 "without --graph concat, or turn cuda_graph off"
             )
-        self.vocab_ids = self._load_vocab_ids(root)
+        self.vocab_ids = load_vocab_ids(root, spec)
         self.logits_size = spec.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
         self._kv_names = [
             (spec.kv.past_key.format(i=i), spec.kv.present_key.format(i=i))
@@ -145,109 +142,15 @@ class OrtModel:
         self._pool: dict[tuple[int, int], list[FixedBuffers]] = {}
         self._graph_ids = itertools.count(1)
         self._kv_ops: KVOps | None = None
-        self._check_io()
+        check_io(self.session, spec, name, self._out[0],
+                 head_session=None if self.split is None else self.split.full,
+                 expected=self.logits_size, probe_width=self._probe_logits_width)
         self.head = (GreedyHead(config, spec.logits_dtype, self.logits_size)
                      if config.argmax_on_device else None)
         self.calls = 0
         # Run one-token steps as two rows (see `probe_rows`); set by whoever loads the model.
         self.two_row_steps = False
         self.row_probe: RowProbe | None = None
-
-    def _check_external_data(self, root: Path, rel: str) -> None:
-        """Refuse a model whose tensors read external data from a file the manifest does not
-        list (only listed files are confined and hashed)."""
-        path = root / rel
-        try:
-            locations = external_data_files(path)
-        except (ValueError, UnicodeDecodeError, OSError) as exc:
-            raise ModelError(
-                f"{path}: the {self.name} model is not a valid ONNX file ({exc}); the file may "
-                "be truncated or corrupt: re-export the pair"
-            ) from None
-        folder = os.path.dirname(rel)
-        manifest = root / MANIFEST_NAME
-        for location in sorted(locations):
-            rel = os.path.normpath(os.path.join(folder, location)).replace(os.sep, "/")
-            key = f"models.{self.name}.files"
-            if os.path.isabs(location) or rel.startswith("../") or rel not in self.spec.files:
-                raise ManifestError(
-                    f"{path}: the {self.name} model reads external data from {location!r}, "
-                    f"which {manifest} does not list under {key}; the runtime opens only "
-                    "listed, hashed files: re-export the pair"
-                )
-            confine(root, rel, file=manifest, key=f"{key}.{rel}")
-
-    def _load_vocab_ids(self, root: Path) -> np.ndarray | None:
-        """Token ids the logits cover, for a reduced-vocabulary draft head (None: all)."""
-        if self.spec.vocab_ids is None:
-            return None
-        path = root / self.spec.vocab_ids
-        try:
-            with open(path, "rb") as fh:  # the header first: the declared shape must fit
-                version = np.lib.format.read_magic(fh)
-                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                               else np.lib.format.read_array_header_2_0)
-                shape, _, dtype = read_header(fh)
-                offset = fh.tell()
-            count = shape[0] if len(shape) == 1 else -1
-            if not 0 < count <= self.spec.vocab_size or dtype.kind not in "iu" or \
-                    offset + count * dtype.itemsize != path.stat().st_size:
-                raise ValueError(f"its header declares shape {shape} of {dtype}, not up to "
-                                 f"{self.spec.vocab_size} token ids filling the file")
-            ids = np.load(path, allow_pickle=False)  # never unpickle
-        except (OSError, ValueError, TypeError, MemoryError) as exc:
-            raise ModelError(f"{path}: unreadable vocabulary subset ({str(exc)[:200]}); "
-                             "re-export") from None
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or \
-                ids.min() < 0 or ids.max() >= self.spec.vocab_size or \
-                (np.diff(ids) <= 0).any():
-            raise ModelError(f"{path}: the vocabulary subset must be sorted unique token ids "
-                             f"in [0, {self.spec.vocab_size}); re-export the pair")
-        return ids.astype(np.int64)
-
-    def _check_io(self) -> None:
-        spec = self.spec
-        inputs = {i.name: i for i in self.session.get_inputs()}
-        outputs = {o.name: o for o in self.session.get_outputs()}
-        pasts = [p.format(i=i) for i in range(spec.num_layers)
-                 for p in (spec.kv.past_key, spec.kv.past_value)]
-        presents = [p.format(i=i) for i in range(spec.num_layers)
-                    for p in (spec.kv.present_key, spec.kv.present_value)]
-        needed_in = [spec.input_ids, spec.attention_mask, *pasts]
-        if spec.position_ids:
-            needed_in.append(spec.position_ids)
-        needed_out = [self._out[0], *presents]
-        missing = [n for n in needed_in if n not in inputs] + [
-            n for n in needed_out if n not in outputs]
-        if missing:
-            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more"
-                                              if len(missing) > 4 else "")
-            raise ModelError(
-                f"{self.spec.path}: the {self.name} model lacks the tensors the manifest names "
-                f"({shown}); re-export the pair"
-            )
-        for name in pasts:  # [batch, kv_heads, past, head_dim]: the static dims must agree
-            shape = inputs[name].shape
-            if len(shape) != 4:
-                continue
-            for dim, key, want in ((1, "num_kv_heads", spec.num_kv_heads),
-                                   (3, "head_dim", spec.head_dim)):
-                if isinstance(shape[dim], int) and shape[dim] != want:
-                    raise ModelError(
-                        f"{self.spec.path}: the {self.name} model's {name} has {shape[dim]} "
-                        f"at dimension {dim} but the manifest's {key} is {want}; re-export the "
-                        "pair"
-                    )
-        vocab = (outputs[spec.logits].shape[-1] if self.split is None
-                 else self.split.full.get_outputs()[0].shape[-1])
-        if not isinstance(vocab, int):
-            vocab = self._probe_logits_width()
-        expected = spec.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
-        if vocab != expected:
-            raise ModelError(
-                f"{self.spec.path}: the {self.name} model has {vocab} logits but the "
-                f"manifest says {expected}; re-export the pair"
-            )
 
     def _probe_logits_width(self) -> int:
         """The logits width of a graph that leaves it symbolic: one 1-token call."""
