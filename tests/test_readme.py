@@ -8,19 +8,32 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _python_block() -> str:
+def _python_blocks() -> list[str]:
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Python API"):]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "the README lost its Python API example"
-    return match.group(1)
+    section = text[text.index("## Python API"):text.index("## Architecture")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2, "the README's Python API lost an example (one-row, then batches)"
+    return blocks
 
 
 def test_readme_example_runs(reference_pair_dir: Path, capsys) -> None:  # noqa: ANN001
-    code = _python_block().replace('"pairs/smollm2-135m"', repr(str(reference_pair_dir)))
+    code = _python_blocks()[0].replace('"pairs/smollm2-135m"', repr(str(reference_pair_dir)))
     exec(compile(code, "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "Paris" in out and "tok/s" in out
+
+
+def test_readme_batch_example_runs(concat_dir: Path, capsys) -> None:  # noqa: ANN001
+    code = _python_blocks()[1]
+    assert '"pairs/smollm2-135m-concat"' in code
+    namespace: dict = {}
+    exec(compile(code.replace('"pairs/smollm2-135m-concat"', repr(str(concat_dir))),
+                 "README.md", "exec"), namespace)
+    batch, results, rid = namespace["batch"], namespace["results"], namespace["rid"]
+    assert len(batch.results) == 2 and batch.stats.tokens_per_s > 0
+    assert all(0 < r.stats.new_tokens <= n for r, n in zip(batch.results, (16, 48), strict=True))
+    assert 0 < results[rid].stats.new_tokens <= 32
+    assert capsys.readouterr().out.rstrip().endswith(results[rid].stop_reason)
 
 
 def test_readme_starts_with_the_two_commands() -> None:
