@@ -100,6 +100,8 @@ class CalibrationOptions:
     def __post_init__(self) -> None:
         if self.samples < 1:
             raise InputError(f"--samples must be >= 1, got {self.samples}")
+        if not 0 <= self.seed < 2**63:
+            raise InputError(f"--seed must be an integer in [0, 2**63), got {self.seed}")
         if self.max_prefill < 2:
             raise InputError(f"--max-prefill must be >= 2, got {self.max_prefill}")
         if any(s < 1 for s in self.step_sizes):

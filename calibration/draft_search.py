@@ -39,7 +39,7 @@ from specedge.exporter.pair import (
     staged_folder,
 )
 from specedge.exporter.quantize import QuantSettings, run_isolated
-from specedge.runtime.errors import InputError
+from specedge.runtime.errors import InputError, listed
 from specedge.runtime.files import copy_pair, sha256_file
 from specedge.runtime.manifest import Defaults, read_manifest, write_manifest
 from specedge.runtime.pair import GenerationConfig, Pair
@@ -80,7 +80,13 @@ class DraftSearchOptions:
         if unknown:
             raise InputError(f"--self-drafts {sorted(unknown)}: use {', '.join(SELF_DRAFTS)}")
         if any(v < 16 for v in self.vocab_sizes):
-            raise InputError(f"--vocab-sizes must be >= 16, got {self.vocab_sizes}")
+            raise InputError(f"--vocab-sizes must be >= 16, got {listed(self.vocab_sizes)}")
+        # What scoring checks later, checked before minutes of building candidates.
+        if not self.ks or any(not 1 <= k <= 64 for k in self.ks):
+            raise InputError(f"--ks takes values in 1..64, got {listed(self.ks)}")
+        GenerationConfig(max_new_tokens=self.max_new_tokens)  # its range, as generate's
+        if any(not p.strip() for p in self.eval_prompts):
+            raise InputError("a prompt of --prompts is empty; give each line some text")
 
 
 @dataclass

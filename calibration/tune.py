@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from specedge.runtime.errors import InputError
+from specedge.runtime.errors import InputError, listed
 from specedge.runtime.files import check_writable, json_dumps
 from specedge.runtime.manifest import DRAFTERS, write_manifest
 from specedge.runtime.pair import GenerationConfig, Pair
@@ -39,7 +39,7 @@ class TuneOptions:
         if not self.prompts:
             raise InputError("tune needs calibration prompts")
         if not self.ks or any(not 1 <= k <= 64 for k in self.ks):
-            raise InputError(f"--ks takes values in 1..64, got {self.ks}")
+            raise InputError(f"--ks takes values in 1..64, got {listed(self.ks)}")
         bad = [d for d in self.drafters if d not in DRAFTERS]
         if bad:
             raise InputError(f"unknown drafter(s) {bad}; use {', '.join(DRAFTERS)}")

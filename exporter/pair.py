@@ -317,9 +317,7 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
     """
     say = say or (lambda _msg: None)
     config_dict = sources.read_config(src.folder)
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(src.folder))
+    config = sources.hf_config(src.folder)
     arch = arch_for(config, where=str(src.folder))
     family_graph = default_graph(arch, config)
     asked = opts.graph or family_graph

@@ -337,3 +337,24 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ExportError(f"{file}: not a JSON object")
     return data
+
+
+def hf_config(folder: Path) -> Any:
+    """transformers' config of an HF folder, with a clear error where transformers refuses it
+    (a field of the wrong type, an unknown model type)."""
+    from transformers import AutoConfig
+
+    refused: tuple[type[Exception], ...] = (ValueError, TypeError, KeyError, OSError)
+    try:  # transformers 5 validates configs with huggingface_hub's strict dataclasses
+        from huggingface_hub.errors import StrictDataclassError
+
+        refused += (StrictDataclassError,)
+    except ImportError:
+        pass
+    file = folder / "config.json"
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except refused as exc:
+        what = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ExportError(f"{file}: transformers cannot read it ({what}); pass a valid "
+                          "Hugging Face model folder") from None

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specedge.runtime.errors import ModelError
 from specedge.runtime.files import sha256_file
 from specedge.runtime.manifest import HeadSpec, ModelSpec
 
@@ -55,13 +56,20 @@ def split_head(folder: Path, spec: ModelSpec, *, min_bytes: int = MIN_HEAD_BYTES
     not come from a float MatMul on an external-data weight, or the head is too small to gain.
 
     Raises:
+        ModelError: the model file is not valid ONNX.
         OSError: writing the files failed.
     """
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    from google.protobuf.message import DecodeError
+
     path = folder / spec.path
-    model = onnx.load(str(path), load_external_data=False)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError) as exc:
+        raise ModelError(f"{path}: not a valid ONNX file ({' '.join(str(exc).split())[:200]}); "
+                         "the file may be truncated or corrupt: re-export the pair") from None
     graph = model.graph
     node = next((n for n in graph.node if spec.logits in n.output), None)
     inits = {i.name: i for i in graph.initializer}

@@ -129,8 +129,8 @@ class BatchDecoder:
     def __init__(self, target: OrtModel, draft: OrtModel | None, plan: DecodePlan, *,
                  capacity: int, max_len: int, compact: bool = True,
                  tuner: AdaptiveK | None = None) -> None:
-        if capacity < 1:
-            raise InputError(f"batch capacity must be >= 1, got {capacity}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise InputError(f"batch capacity must be an integer >= 1, got {capacity!r}")
         if target.spec.graph != "concat":
             raise InputError(
                 f"{target.spec.path}: batched speculative decoding needs a concat-form target "

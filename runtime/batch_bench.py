@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import host_argmax
+from .bench import bench_drafter
 from .errors import InputError, listed
 from .pair import GenerationConfig, Pair
 
@@ -41,10 +42,12 @@ class BatchBenchOptions:
     masking: bool = True  # also run the smallest K with finished rows masked, not compacted
     max_new_tokens: int = 64
     chat: bool = True
-    drafter: str = "model"  # "model", "ngram" (free prompt-lookup drafts) or "hybrid"
+    # "model", "ngram" (free prompt-lookup drafts) or "hybrid"; None: the pair's draft model,
+    # or n-gram lookup without one (`bench.bench_drafter`)
+    drafter: str | None = None
 
     def __post_init__(self) -> None:
-        if self.drafter not in ("model", "ngram", "hybrid"):
+        if self.drafter not in (None, "model", "ngram", "hybrid"):
             raise InputError(f"unknown drafter {self.drafter!r}; use model, ngram or hybrid")
         if not self.batches or any(b < 1 for b in self.batches):
             raise InputError(f"--batch takes positive integers, got {listed(self.batches)}")
@@ -81,10 +84,8 @@ class BatchRow:
     costs: dict[str, float] = field(default_factory=dict)
 
 
-def _settings(pair: Pair, opts: BatchBenchOptions) -> list[BatchSetting]:
+def _settings(opts: BatchBenchOptions) -> list[BatchSetting]:
     out = [BatchSetting("target only", 0)]
-    if pair.draft is None and opts.drafter != "ngram":
-        return out
     out += [BatchSetting(f"K={k}", k) for k in opts.ks]
     if opts.adaptive:
         out.append(BatchSetting("adaptive", max(opts.ks), adaptive=True))
@@ -152,12 +153,12 @@ def run_batch_bench(pair: Pair, opts: BatchBenchOptions,
                          "--graph concat (ONNX Runtime's GroupQueryAttention, CPU and CUDA, takes "
                          "one row when several tokens follow a past)")
     report = []
-    drafter = opts.drafter if pair.draft is not None or opts.drafter == "ngram" else "none"
+    drafter = bench_drafter(pair, opts.drafter)
     warm = GenerationConfig(max_new_tokens=4, drafter=drafter, num_draft_tokens=2,
                             chat=opts.chat)
     pair.generate_batch(list(opts.prompts[:2]), warm)
     for batch in opts.batches:
-        row = BatchRow(batch, _settings(pair, opts))
+        row = BatchRow(batch, _settings(opts))
         count = len(opts.prompts) // batch * batch
         for start in range(0, count, batch):
             prompts = list(opts.prompts[start:start + batch])
@@ -177,7 +178,7 @@ def run_batch_bench(pair: Pair, opts: BatchBenchOptions,
                 if progress:
                     progress(f"batch {batch}, {s.name}")
         row.costs = measure_batch_costs(pair, batch, opts.ks,
-                                        draft=opts.drafter != "ngram")
+                                        draft=drafter != "ngram")
         report.append(row)
     return report
 

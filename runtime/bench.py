@@ -20,7 +20,7 @@ import io
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,22 @@ DEFAULT_PROMPTS = (
 )
 
 
+def bench_drafter(pair: Pair, asked: str | None) -> str:
+    """The drafter a bench speculates with: `asked`, or the pair's draft model (n-gram prompt
+    lookup for a pair without one).
+
+    Raises:
+        InputError: `asked` needs a draft model the pair does not have (a bench that measured
+            target-only alone would answer another question than the one asked).
+    """
+    if asked is None:
+        return "model" if pair.draft is not None else "ngram"
+    if asked != "ngram" and pair.draft is None:
+        raise InputError(f"--drafter {asked} needs a draft model and {pair.manifest.root} has "
+                         "none; bench it with --drafter ngram (or leave --drafter out)")
+    return asked
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     """What `specedge bench` measures."""
@@ -46,7 +62,7 @@ class BenchOptions:
     max_new_tokens: int = 128
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     adaptive: bool = True
-    drafter: str = "model"
+    drafter: str | None = None  # None: the pair's draft model, or n-gram lookup without one
     repeats: int = 3
     warmup: int = 1
     chat: bool = True
@@ -207,17 +223,18 @@ def run_bench(pair: Pair, options: BenchOptions,
               progress: Callable[[str, int], None] | None = None) -> BenchReport:
     """Run the benchmark; `progress(label, advance)` is called after each generation."""
     sampling = options.sampling()
+    drafter = bench_drafter(pair, options.drafter)
+    options = replace(options, drafter=drafter)  # the report says which
     settings = [SettingResult("target only", None)]
-    if pair.draft is not None or options.drafter == "ngram":
-        settings += [SettingResult(f"K={k}", k) for k in options.ks]
-        if options.adaptive:
-            settings.append(SettingResult("adaptive", max(options.ks)))
+    settings += [SettingResult(f"K={k}", k) for k in options.ks]
+    if options.adaptive:
+        settings.append(SettingResult("adaptive", max(options.ks)))
 
     def config(s: SettingResult) -> GenerationConfig:
         if s.k is None:
             return GenerationConfig(max_new_tokens=options.max_new_tokens, drafter="none",
                                     sampling=sampling, chat=options.chat)
-        return GenerationConfig(max_new_tokens=options.max_new_tokens, drafter=options.drafter,
+        return GenerationConfig(max_new_tokens=options.max_new_tokens, drafter=drafter,
                                 num_draft_tokens=s.k, adaptive=s.name == "adaptive",
                                 sampling=sampling, chat=options.chat)
 
@@ -276,8 +293,7 @@ def environment() -> dict[str, Any]:
 
 
 def total_generations(pair: Pair, options: BenchOptions) -> int:
-    n_settings = 1 + ((len(options.ks) + int(options.adaptive))
-                      if pair.draft is not None or options.drafter == "ngram" else 0)
+    n_settings = 1 + len(options.ks) + int(options.adaptive)
     return options.warmup * 2 + options.repeats * n_settings * len(options.prompts)
 
 

@@ -97,14 +97,32 @@ def json_dumps(value: Any, **kwargs: Any) -> str:
     return json.dumps(_plain_json(value), allow_nan=False, **kwargs)
 
 
+def output_file(path: Path) -> Path:
+    """Where a report written to `path` goes: `path` itself, or the file a symbolic link at
+    `path` points to (written through, as the shell's `>` does, not replaced by a file).
+
+    Raises:
+        OutputError: `path` exists and is not a regular file (a folder, a device such as
+            /dev/null, a pipe): a rename would replace it.
+    """
+    path = Path(path).expanduser()
+    if path.is_symlink():
+        path = path.resolve()
+    if path.exists() and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file (a device or a pipe?)"
+        raise OutputError(f"{path}: is {kind}; give the name of a file to write")
+    return path
+
+
 def write_atomic(path: Path, data: str | bytes) -> Path:
     """Write `path` through a temporary sibling renamed into place: the file is whole or
-    absent, and a failure (full disk, read-only folder) leaves nothing behind.
+    absent, and a failure (full disk, read-only folder) leaves nothing behind. A link is written
+    through; a folder, device or pipe is refused (`output_file`).
 
     Raises:
         OutputError: naming `path` and the reason.
     """
-    path = Path(path)
+    path = output_file(path)
     raw = data.encode("utf-8") if isinstance(data, str) else data
     tmp: Path | None = None
     try:

@@ -137,8 +137,6 @@ class KVCache:
             raise InputError(f"cache length {max_len} outside [1, {spec.max_seq_len}]")
         self.model, self.batch, self.max_len = model, batch, max_len
         self.lengths = np.zeros(batch, dtype=np.int64)
-        # The token fed at each position (a one-token step of a two-row model re-feeds one).
-        self.fed = np.zeros((batch, max_len), dtype=np.int64)
         self.host: np.ndarray | None = None  # the concat form's cache in host memory
         self.values: list[ort.OrtValue] = []
         self.device_kv: DeviceKV | None = None
@@ -147,7 +145,9 @@ class KVCache:
             self._fixed = model._take_fixed(batch, max_len)
             self.values = self._fixed.values
         else:
-            self._allocate()
+            self._allocate()  # first: it checks the memory, which `fed` then fits
+        # The token fed at each position (a one-token step of a two-row model re-feeds one).
+        self.fed = np.zeros((batch, max_len), dtype=np.int64)
         self._binding: Any = None
         self._staging: dict[str, np.ndarray] = {}  # host concat form: reused per-call buffers
         self._logits: dict[tuple[int, int, int], np.ndarray] = {}

@@ -104,12 +104,16 @@ def _bad(param: str, message: str, code: str | None = None) -> APIError:
     return APIError(400, f"'{param}': {message}", param=param, code=code)
 
 
-def _int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+def _int(body: Mapping[str, Any], name: str, lo: int, hi: int, *,
+         expected: str | None = None) -> int | None:
+    """`body[name]` as an integer in [lo, hi]; `expected` says what the field takes in the
+    error (default: that range)."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise _bad(name, f"expected an integer in [{lo}, {hi}], got {_short(value)}")
+        raise _bad(name, f"expected {expected or f'an integer in [{lo}, {hi}]'}, got "
+                         f"{_short(value)}")
     return value
 
 
@@ -217,7 +221,7 @@ def _stop(value: Any) -> tuple[str, ...]:
 
 
 def _seed(body: Mapping[str, Any]) -> int | None:
-    seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    seed = _int(body, "seed", -(2**63), 2**64 - 1, expected="a 64-bit integer")
     return None if seed is None else seed % 2**64  # OpenAI seeds are signed 64-bit
 
 
@@ -251,13 +255,13 @@ def _plan_fields(body: Mapping[str, Any], defaults: RequestDefaults
 
 def _max_tokens(body: Mapping[str, Any], defaults: RequestDefaults) -> int | None:
     limit = defaults.max_tokens_limit
-    given = [_int(body, name, -(2**63), 2**63) for name in ("max_completion_tokens",
-                                                            "max_tokens")]
+    expected = f"an integer in [1, {limit}] (this server's --max-tokens-limit)"
+    given = [_int(body, name, -(2**63), 2**63, expected=expected)
+             for name in ("max_completion_tokens", "max_tokens")]
     value = next((v for v in given if v is not None), None)
     if value is not None and not 1 <= value <= limit:
         name = "max_completion_tokens" if given[0] is not None else "max_tokens"
-        raise _bad(name, f"expected an integer in [1, {limit}] (this server's "
-                         f"--max-tokens-limit), got {value}")
+        raise _bad(name, f"expected {expected}, got {value}")
     return value
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Generator, Mapping, Sequence
@@ -232,12 +233,27 @@ def _timed(rounds: Generator[list[int], None, str], stats: GenerationStats, star
         stats.total_s = time.perf_counter() - start
 
 
+def as_config(config: object) -> GenerationConfig:
+    """`config`, or the default for None; anything else (a dict of options, say) is refused in
+    one line instead of failing on a missing attribute later."""
+    if config is None:
+        return GenerationConfig()
+    if not isinstance(config, GenerationConfig):
+        raise InputError(f"expected a GenerationConfig (or None), got {type(config).__name__}; "
+                         "build one: GenerationConfig(max_new_tokens=..., ...)")
+    return config
+
+
 def _row_configs(n: int, configs: GenerationConfig | Sequence[GenerationConfig] | None
                  ) -> Sequence[GenerationConfig]:
     """One config per row of a batch of `n` (one given for all is repeated); the rows must
     share their decoding plan."""
     if configs is None or isinstance(configs, GenerationConfig):
-        configs = [configs or GenerationConfig()] * n
+        configs = [as_config(configs)] * n
+    if isinstance(configs, str | bytes | Mapping) or not isinstance(configs, Sequence):
+        raise InputError(f"expected a GenerationConfig or a list of them, got "
+                         f"{type(configs).__name__}")
+    configs = [as_config(c) for c in configs]
     if len(configs) != n:
         raise InputError(f"{n} prompts but {len(configs)} configs; give one "
                          "config per prompt or one for all")
@@ -307,11 +323,16 @@ class Pair:
             ModelError: a model file that ONNX Runtime cannot load.
             InputError: an unknown or unavailable provider.
         """
+        if not isinstance(path, str | os.PathLike):
+            raise InputError(f"Pair.load takes the pair folder's path, got "
+                             f"{type(path).__name__}")
+        if plan is not None and not isinstance(plan, ThreadPlan):
+            raise InputError(f"plan must be a ThreadPlan (or None), got {type(plan).__name__}")
         manifest = load_manifest(path, verify_hashes=verify_hashes)
         if isinstance(providers, str):
             target_p = draft_p = providers
         else:
-            if len(providers) != 2:
+            if not isinstance(providers, Sequence) or len(providers) != 2:
                 raise InputError("providers must be one name or (target, draft)")
             target_p, draft_p = providers
         d = manifest.defaults
@@ -383,6 +404,8 @@ class Pair:
 
     def check_ids(self, ids: Sequence[int]) -> list[int]:
         vocab = self.manifest.vocab_size
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
+            raise InputError(f"expected a list of token ids, got {type(ids).__name__}")
         out = []
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
@@ -396,7 +419,7 @@ class Pair:
 
     def plan(self, config: GenerationConfig | None = None) -> DecodePlan:
         """How `config` decodes on this pair (drafter, K, adaptivity, context limit)."""
-        config = config or GenerationConfig()
+        config = as_config(config)
         return resolve_plan(self.manifest, has_draft=self.draft is not None,
                             drafter=config.drafter, k=config.num_draft_tokens,
                             adaptive=config.adaptive, draft_p_min=config.draft_p_min)
@@ -470,7 +493,7 @@ class Pair:
         """Yield the token ids kept by each round (the lowest-level API; stop strings are a
         text matter and are not applied here)."""
         start = time.perf_counter()
-        config = config or GenerationConfig()
+        config = as_config(config)
         ids = self.check_ids(prompt_ids)
         stats = stats if stats is not None else GenerationStats()
         return _timed(self._decode(ids, config, stats, self.new_output(ids, config, text=False)),
@@ -480,7 +503,7 @@ class Pair:
                stats: GenerationStats | None = None
                ) -> Generator[str, None, GenerationResult]:
         """Yield text deltas as they are generated (multi-byte safe, stop strings honoured)."""
-        config = config or GenerationConfig()
+        config = as_config(config)
         start = time.perf_counter()
         stats = stats if stats is not None else GenerationStats()
         ids = self.encode_prompt(prompt, chat=config.chat)

@@ -100,5 +100,8 @@ def _parse(text: str, jsonl: bool, where: str) -> tuple[str, ...]:
             raise InputError(f"{where}:{n}: expected a JSON object with a \"prompt\" key") from None
         if not isinstance(prompt, str):
             raise InputError(f"{where}:{n}: \"prompt\" must be a string")
+        if not prompt.strip():
+            raise InputError(f"{where}:{n}: \"prompt\" is empty; give it some text or drop "
+                             "the line")
         prompts.append(prompt)
     return tuple(prompts)

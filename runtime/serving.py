@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from .batch import BatchDecoder, BatchRow, RowRequest
 from .errors import InputError
-from .pair import GenerationConfig, GenerationResult, Pair, Prompt
+from .pair import GenerationConfig, GenerationResult, Pair, Prompt, as_config
 from .rounds import RowOutput
 
 
@@ -53,7 +53,7 @@ class ContinuousBatch:
 
     def submit(self, prompt: Prompt, config: GenerationConfig | None = None) -> int:
         """Queue a request; it joins the batch at the next round with a free slot."""
-        config = config or GenerationConfig()
+        config = as_config(config)
         self._check_shared(config)
         ids = self.pair.encode_prompt(prompt, chat=config.chat)
         if len(ids) >= self.max_len:

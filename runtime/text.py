@@ -412,7 +412,11 @@ class Tokenizer:
             The prompt ids.
 
         Raises:
-            InputError: See `render_chat`.
+            InputError: See `render_chat`; or the template rendered no tokens.
         """
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+        ids = self.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InputError("the chat template rendered these messages as no tokens; fix the "
+                             "pair's template (re-export with --chat-template FILE)")
+        return ids

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 @max_new_tokens_option(128)
 @ks_option("1,2,3,4,5,6,7,8", "Draft lengths to sweep.")
 @click.option("--no-adaptive", is_flag=True, help="Skip the adaptive-K setting.")
-@click.option("--drafter", default="model", show_default=True, type=click.Choice(DRAFTERS))
+@click.option("--drafter", default=None, type=click.Choice(DRAFTERS),
+              help="What drafts: the draft model, n-gram prompt lookup or both (default: the "
+                   "pair's draft model, or n-gram lookup for a pair without one).")
 @click.option("--repeats", default=3, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int)
 @TEMPERATURE
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
                    "speculative decoding (greedy; needs a --graph concat pair).")
 @clean_errors
 def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[int, ...],
-          no_adaptive: bool, drafter: str, repeats: int, warmup: int, temperature: float,
+          no_adaptive: bool, drafter: str | None, repeats: int, warmup: int, temperature: float,
           top_k: int, top_p: float, min_p: float, plain: bool, load: LoadOptions,
           json_out: Path | None, plot_out: Path | None,
           batches: tuple[int, ...] | None) -> None:
@@ -68,9 +70,11 @@ def bench(pair: Path, prompts_file: Path | None, max_new_tokens: int, ks: tuple[
 
     from specedge.runtime import bench as b
 
-    for out in (json_out, plot_out):
-        if out is not None:  # a full or read-only disk fails now, not after the measurements
-            _check_output_file(out, pair)
+    outputs = [out for out in (json_out, plot_out) if out is not None]
+    for out in outputs:  # a full or read-only disk fails now, not after the measurements
+        _check_output_file(out, pair, prompts_file)
+    if len(outputs) == 2 and _same_file(json_out, plot_out):
+        raise InputError(f"--json and --plot both name {json_out}; give two files")
     if batches is not None:
         if temperature or top_k or top_p != 1.0 or min_p:
             raise InputError("bench --batch measures greedy decoding (its rows are checked "
@@ -125,32 +129,40 @@ def _sampling_note(params: SamplingParams) -> str:
     return ", ".join(knobs) + f", seed {params.seed}"
 
 
-def _check_output_file(path: Path, pair: Path) -> None:
-    """Refuse an output file that would replace a file of the pair, is a folder, or whose
-    folder is missing or cannot take a report."""
-    from specedge.runtime.files import check_writable
+def _same_file(a: Path | None, b: Path | None) -> bool:
+    return a is not None and b is not None and (
+        a.expanduser().resolve() == b.expanduser().resolve())
 
-    real = path.expanduser().resolve()
+
+def _check_output_file(path: Path, pair: Path, prompts_file: Path | None) -> None:
+    """Refuse an output file that would replace a file of the pair or the prompts, is not a
+    regular file (a folder, /dev/null, a pipe), or whose folder is missing or cannot take a
+    report."""
+    from specedge.runtime.files import check_writable, output_file
+
+    real = output_file(path).resolve()
     if real.exists() and pair.resolve() in real.parents:
         raise InputError(f"{path}: is a file of the pair {pair}; write the report elsewhere")
-    if real.is_dir():
-        raise InputError(f"{path}: is a folder; give a file name")
-    check_writable(path.expanduser().absolute().parent, what=str(path))
+    if _same_file(path, prompts_file):
+        raise InputError(f"{path}: is the --prompts file; write the report elsewhere")
+    check_writable(real.parent, what=str(path))
 
 
 def _bench_batches(pair: Path, prompts_file: Path | None, batches: tuple[int, ...],
                    ks: tuple[int, ...], max_new_tokens: int, adaptive: bool, chat: bool,
-                   load: LoadOptions, json_out: Path | None, drafter: str) -> None:
+                   load: LoadOptions, json_out: Path | None, drafter: str | None) -> None:
     from rich.console import Console
     from rich.progress import Progress
 
     from specedge.runtime import batch_bench as bb
+    from specedge.runtime.bench import bench_drafter
     from specedge.runtime.prompts import default_prompts
 
     prompts = read_prompt_file(prompts_file, default_prompts())
     options = bb.BatchBenchOptions(prompts=prompts, batches=batches, ks=ks, adaptive=adaptive,
                                    max_new_tokens=max_new_tokens, chat=chat, drafter=drafter)
     loaded = load.load(pair)
+    drafter = bench_drafter(loaded, drafter)  # fails before measuring anything
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("bench --batch", total=None)
         report = bb.run_batch_bench(loaded, options,

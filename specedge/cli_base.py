@@ -27,6 +27,7 @@ from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.pair import DRAFTER_CHOICES
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.table import Table
 
     from specedge.runtime.pair import GenerationConfig, Pair
@@ -100,7 +101,8 @@ def clean_errors(fn: F) -> F:
         try:
             with _signals_as_interrupts():
                 result = fn(*args, **kwargs)
-                sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+                if sys.stdout is not None:  # None: started with stdout closed (`>&-`)
+                    sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
             return result
         except BrokenPipeError:
             _exit_quietly_on_broken_pipe()
@@ -153,6 +155,14 @@ def _one_line_usage() -> Iterator[None]:
 class OneLineErrors(click.Group):
     """The CLI's group: click's own usage errors (a missing argument, an unknown option, a bad
     choice) print one `error:` line and exit 2, instead of click's usage block."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as exc:  # click's --help or --version on a full disk or a closed stdout
+            click.echo(f"error: cannot write the output ({one_line(str(exc.strerror or exc))})",
+                       err=True)
+            sys.exit(1)
 
     def make_context(self, info_name: str | None, args: list[str],
                      parent: click.Context | None = None, **extra: Any) -> click.Context:
@@ -379,15 +389,26 @@ def print_table(table: Table, stderr: bool = False) -> None:
     On a terminal the cells fold onto more lines when the screen is narrow; anywhere else (a log,
     a pipe, CI) the table is as wide as its content, however wide that is.
     """
-    from rich.console import Console
-
     for column in table.columns:
         column.overflow = "fold"
-    console = Console(stderr=stderr)
+    console = rich_console(stderr=stderr)
     if not console.is_terminal:
-        natural = Console(stderr=stderr, width=1 << 16).measure(table).maximum
-        console = Console(stderr=stderr, width=max(console.width, natural))
+        natural = rich_console(stderr=stderr, width=1 << 16).measure(table).maximum
+        console = rich_console(stderr=stderr, width=max(console.width, natural))
     console.print(table)
+
+
+def rich_console(**kwargs: Any) -> Console:
+    """A rich Console whose closed pipe (`| head`) ends the command as `clean_errors` ends any
+    other (quietly, exit 141), not with rich's own exit code 1."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console(**kwargs)
 
 
 def new_table(title: str, headers: Iterable[str], rows: Iterable[Iterable[str]],

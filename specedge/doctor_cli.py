@@ -14,16 +14,15 @@ from collections.abc import Iterable, Sequence
 
 import click
 
+from specedge.cli_base import clean_errors, rich_console
 from specedge.runtime.doctor import DoctorReport, diagnose, parse_providers
 from specedge.runtime.errors import InputError
 
 
 def _console(stderr: bool = False):  # noqa: ANN202 - rich is imported lazily
-    from rich.console import Console
-
-    console = Console(stderr=stderr)
+    console = rich_console(stderr=stderr)
     if not console.is_terminal:  # logs and pipes get every character of every cell
-        console = Console(stderr=stderr, width=1 << 12)
+        console = rich_console(stderr=stderr, width=1 << 12)
     return console
 
 
@@ -86,6 +85,7 @@ def print_report(report: DoctorReport) -> None:
 @click.option("--providers", default=None, metavar="cpu|cuda|tensorrt[,..]",
               help="Providers that must run here; exit 1 when one cannot. Default: cpu.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@clean_errors
 def doctor(providers: str | None, as_json: bool) -> None:
     """Check what this machine can run: onnxruntime and its providers, the GPU, the CUDA /
     cuDNN / TensorRT libraries, Jetson, and a few-second self-test of each provider."""

@@ -208,7 +208,7 @@ def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load
              chat: bool, batch_file: Path | None, show_stats: bool, as_json: bool) -> None:
     """Generate a completion of PROMPT (or of every row of --batch) with the pair PAIR."""
     if (prompt is None) == (batch_file is None):
-        raise InputError("give a PROMPT or --batch FILE (one of the two)")
+        raise click.UsageError("give a PROMPT or --batch FILE (one of the two)")
     config = generation.config(chat)
     loaded = load.load(pair)
     if batch_file is not None:
@@ -240,6 +240,13 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
     When the conversation outgrows the context, the oldest exchanges are dropped (and named on
     stderr); a turn that fails prints its error and the conversation goes on.
     """
+    from specedge.runtime.text import check_text
+
+    if sys.stdin is None:
+        raise InputError("chat reads its turns from stdin, which is closed; run it in a "
+                         "terminal or pipe the turns in")
+    if system is not None:
+        check_text(system, "--system")
     config = generation.config(False)
     loaded = load.load(pair)
     if hasattr(sys.stdin, "reconfigure"):

@@ -9,13 +9,15 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
-from specedge.runtime.errors import SpecEdgeError
+from specedge.cli_base import one_line
+from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.policy import DRAFTER_CHOICES
 
 if TYPE_CHECKING:
@@ -31,6 +33,25 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Fail before the pair loads, in one line, where uvicorn could not listen (the port taken,
+    a host that does not resolve or is not this machine's): uvicorn would log several lines
+    after loading and exit 3. It binds with SO_REUSEADDR, so this does too."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise InputError(f"cannot listen on {host}:{port} ({exc}); give --host an address "
+                         "of this machine (127.0.0.1, 0.0.0.0)") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose "
+                             "another --port or --host") from None
 
 
 def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
@@ -98,6 +119,7 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
     try:
+        _check_listen(host, port)
         options = ServerOptions(host=host, port=port, api_key=api_key, model_name=model_name,
                                 max_batch=max_batch, max_queue=max_queue,
                                 max_tokens_limit=max_tokens_limit, max_context=max_context,
@@ -108,10 +130,11 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
                              head=head).load(pair)
         app = create_app(loaded, options)
     except SpecEdgeError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {one_line(str(exc))}", err=True)
         sys.exit(1)
     except OSError as exc:
-        click.echo(f"error: {exc.filename or ''}: {exc.strerror or exc}", err=True)
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"error: {one_line(where + str(exc.strerror or exc))}", err=True)
         sys.exit(1)
     os.environ.pop("SPECEDGE_API_KEY", None)  # child processes need not see it
     if not _is_loopback(host) and api_key is None:
