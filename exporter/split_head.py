@@ -60,9 +60,8 @@ def split_head(folder: Path, spec: ModelSpec, *, min_bytes: int = MIN_HEAD_BYTES
         OSError: writing the files failed.
     """
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
     from google.protobuf.message import DecodeError
+    from onnx import TensorProto, helper, numpy_helper
 
     path = folder / spec.path
     try:
