@@ -214,6 +214,11 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
         candidates = [Candidate("int4 self-draft", base.folder, "model",
                                 time.perf_counter() - t0, peak_mib=_peak_rss_mib())]
         pair = Pair.load(base.folder)
+        too_big = [v for v in opts.vocab_sizes if v >= pair.manifest.vocab_size]
+        if too_big:
+            raise InputError(f"--vocab-sizes {listed(too_big)}: the target's vocabulary has "
+                             f"{pair.manifest.vocab_size} tokens, so such a head would not be "
+                             f"smaller; give sizes below {pair.manifest.vocab_size}")
         eval_ids = [pair.encode_prompt(p, chat=True) for p in opts.eval_prompts]
         say("generating calibration text with the target")
         streams = []

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from specedge.exporter.pair import check_output, require_modules, staged_folder
-from specedge.exporter.quantize import CALIBRATED, HISTOGRAM, METHODS, QuantSettings, run_isolated
+from specedge.exporter.quantize import (
+    CALIBRATED,
+    HISTOGRAM,
+    METHODS,
+    QuantSettings,
+    check_exclude,
+    run_isolated,
+)
 from specedge.runtime.errors import InputError
 from specedge.runtime.files import copy_pair, sha256_file
 from specedge.runtime.manifest import load_manifest, write_manifest
@@ -69,6 +76,7 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
                          "from an fp32 model")
     out = check_output(opts.output, force=opts.force, inputs=[opts.pair, opts.data_file])
     require_modules("quantize", ("onnx",))
+    check_exclude(opts.pair / spec.path, opts.exclude, opts.method)
     pair = Pair.load(opts.pair, load_draft=opts.model == "draft")
     model = pair.target if opts.model == "target" else pair.draft
     assert model is not None

@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,9 @@ def build_gqa(hf_dir: Path, out: Path, precision: str, provider: str, cache: Pat
     """Run the ONNX Runtime GenAI builder on an HF folder.
 
     Raises:
-        ExportError: the builder failed (its log is kept in `log_file` and its last line shown).
+        ExportError: the builder failed: its last line, and where its whole log is kept (a copy
+            in the temporary folder, since `log_file` is usually inside the export's working
+            folder, which a failed export removes).
     """
     if precision not in _BUILDER_PRECISION:
         raise ExportError(f"precision {precision!r} is not available for the gqa-shared form")
@@ -80,8 +83,11 @@ def build_gqa(hf_dir: Path, out: Path, precision: str, provider: str, cache: Pat
         lines = [ln.strip() for ln in log_file.read_text(errors="replace").splitlines()
                  if ln.strip()]
         last = lines[-1][:300] if lines else "no output"
+        fd, kept = tempfile.mkstemp(prefix="specedge-builder-", suffix=".log")
+        with os.fdopen(fd, "wb") as copy:
+            copy.write(log_file.read_bytes())
         raise ExportError(f"{hf_dir}: the ONNX Runtime GenAI builder failed ({last}); "
-                          f"full log: {log_file}")
+                          f"full log: {kept}")
     cfg = json.loads((out / "genai_config.json").read_text())
     dec = cfg["model"]["decoder"]
     import onnx

@@ -90,6 +90,33 @@ class QuantSettings:
         return self.method.split("-")[0]
 
 
+def check_exclude(graph: Path, exclude: tuple[str, ...], method: str) -> None:
+    """Refuse `exclude` names that are not nodes `method` would quantize in `graph` (a mistyped
+    name would otherwise be ignored and the node quantized after all).
+
+    Raises:
+        InputError: a name that is not a node of the graph (the closest names suggested), or,
+            for the MatMul quantizers, a node that is not a MatMul.
+    """
+    if not exclude:
+        return
+    import difflib
+
+    import onnx
+
+    nodes = {n.name: n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node}
+    matmuls = sorted(name for name, op in nodes.items() if op == "MatMul")
+    for name in exclude:
+        if name not in nodes:
+            near = difflib.get_close_matches(name, matmuls or list(nodes), n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else \
+                f"; its MatMul nodes include {', '.join(matmuls[:3])}"
+            raise InputError(f"--exclude {name!r} is not a node of {graph}{hint}")
+        if method != "fp16" and nodes[name] != "MatMul":
+            raise InputError(f"--exclude {name!r} is a {nodes[name]} node; {method} quantizes "
+                             "MatMul nodes only, so name a MatMul (e.g. /lm_head/MatMul)")
+
+
 class _Reader:
     """onnxruntime.quantization.CalibrationDataReader over a list of feeds (re-iterable)."""
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .errors import InputError
+from .text import check_text
 
 if TYPE_CHECKING:
     from .text import Tokenizer
@@ -158,6 +159,7 @@ class StopStrings:
                 raise InputError(f"stop strings must be strings, got {type(stop).__name__}")
             if not stop:
                 raise InputError("stop strings must be non-empty")
+            check_text(stop, f"the stop string {stop!r}")
             if stop not in unique:
                 unique.append(stop)
         self._stops = tuple(unique)

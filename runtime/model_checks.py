@@ -106,15 +106,15 @@ def check_io(session: ort.InferenceSession, spec: ModelSpec, name: str, out: str
             f"{spec.path}: the {name} model lacks the tensors the manifest names "
             f"({shown}); re-export the pair"
         )
-    for name in pasts:  # [batch, kv_heads, past, head_dim]: the static dims must agree
-        shape = inputs[name].shape
+    for past in pasts:  # [batch, kv_heads, past, head_dim]: the static dims must agree
+        shape = inputs[past].shape
         if len(shape) != 4:
             continue
         for dim, key, want in ((1, "num_kv_heads", spec.num_kv_heads),
                                (3, "head_dim", spec.head_dim)):
             if isinstance(shape[dim], int) and shape[dim] != want:
                 raise ModelError(
-                    f"{spec.path}: the {name} model's {name} has {shape[dim]} "
+                    f"{spec.path}: the {name} model's {past} has {shape[dim]} "
                     f"at dimension {dim} but the manifest's {key} is {want}; re-export the "
                     "pair"
                 )

@@ -20,7 +20,8 @@ MAX_INPUT_BYTES = 64 << 20  # prompt, batch and calibration files: far more than
 
 def read_text_file(path: Path, what: str, noun: str, limit: int = MAX_INPUT_BYTES) -> str:
     """The UTF-8 text of an input file, never reading more than `limit` bytes (a pipe or a
-    device such as /dev/zero has no size to check first).
+    device such as /dev/zero has no size to check first). A leading byte-order mark (which
+    Windows editors write) is dropped.
 
     Args:
         path: the file.
@@ -41,7 +42,7 @@ def read_text_file(path: Path, what: str, noun: str, limit: int = MAX_INPUT_BYTE
         raise InputError(f"{path}: cannot read {what} (the {noun} is larger than "
                          f"{limit >> 20} MiB)")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise InputError(f"{path}: cannot read {what} (not UTF-8 text: {exc})") from None
 

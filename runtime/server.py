@@ -84,6 +84,8 @@ class ServerOptions:
         max_tokens_limit: the largest `max_tokens` a request may ask for (and the default).
         max_context: prompt + completion tokens per request (sizes the batch's KV cache).
         max_body_bytes: the largest request body (413 above it).
+        body_timeout_s: seconds a client may take to send its request body (408 after it),
+            so a stalled or trickling client cannot hold a connection and its buffer.
         request_timeout_s: a request still running after this long is ended (504).
         drafter, num_draft_tokens, adaptive: the decoding plan (None: the pair's defaults).
     """
@@ -97,6 +99,7 @@ class ServerOptions:
     max_tokens_limit: int = 512
     max_context: int = 2048
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0
     request_timeout_s: float = 300.0
     drafter: str | None = None
     num_draft_tokens: int | None = None
@@ -112,9 +115,12 @@ class ServerOptions:
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise InputError(f"server option {name} must be an integer in [{lo}, {hi}], "
                                  f"got {value!r}")
-        if not self.request_timeout_s > 0:
-            raise InputError(f"server option request_timeout_s must be > 0, got "
-                             f"{self.request_timeout_s!r}")
+        for name, seconds in (("request_timeout_s", self.request_timeout_s),
+                              ("body_timeout_s", self.body_timeout_s)):
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                    or not 0 < seconds < float("inf"):
+                raise InputError(f"server option {name} must be a number of seconds > 0, got "
+                                 f"{seconds!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise InputError("the API key is empty; pass a non-empty --api-key or none")
 
@@ -203,7 +209,7 @@ async def _text(request: Request, state: _State) -> Response:
 
 
 async def _complete(request: Request, state: _State, kind: str) -> Response:
-    body = await _read_json(request, state.options.max_body_bytes)
+    body = await _read_json(request, state.options.max_body_bytes, state.options.body_timeout_s)
     parsed = parse_request(kind, body, state.defaults)
     config = await run_in_threadpool(_fit, state, parsed)
     shape = ResponseShape.new(kind, state.defaults.model)
@@ -323,11 +329,12 @@ async def _metrics(request: Request, state: _State) -> Response:
 # ------------------------------------------------------------------------------- plumbing
 
 
-async def _read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON, reading at most `limit` bytes.
+async def _read_json(request: Request, limit: int, timeout_s: float) -> Any:
+    """The request body as JSON, reading at most `limit` bytes within `timeout_s` seconds.
 
     Raises:
-        APIError: 413 for a larger body, 400 for one that is not JSON.
+        APIError: 413 for a larger body, 408 for one that has not arrived in time, 400 for one
+            that is not JSON.
     """
     too_big = APIError(413, f"The request body is larger than this server's limit of {limit} "
                             "bytes.", code="request_too_large")
@@ -336,13 +343,18 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise too_big
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        with anyio.fail_after(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(499, "the client disconnected") from None
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s; send it "
+                            "whole, or raise the server's --body-timeout.",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError, RecursionError):

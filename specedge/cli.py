@@ -108,6 +108,13 @@ def export(target: str, output: Path, draft: str | None, precision: str | None,
     """
     from specedge.exporter.pair import ExportOptions, cpu_defaults, export_pair
 
+    if data_file is not None and not calibrate_method:
+        raise click.UsageError("--data is calibration data for --calibrate; add --calibrate "
+                               "METHOD or drop --data")
+    if data_file is not None:
+        from specedge.calibration.data import read_texts
+
+        read_texts(data_file)  # a bad file fails now, not after the export
     picked: dict[str, Any] = {}
     note = None
     if precision is None and draft_precision is None and draft is None and provider == "cpu":

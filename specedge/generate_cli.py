@@ -265,12 +265,12 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
         try:
             kept, dropped = _fit_context(loaded, head, turns + [
                 {"role": "user", "content": line}], config)
-            if dropped:
-                click.echo(_dropped_note(dropped, loaded.plan(config).limit), err=True)
             result = _stream(loaded, head + kept, config)
         except SpecEdgeError as exc:
             click.echo(f"error: {one_line(str(exc))}", err=True)
-            continue  # the conversation is as it was before this turn
+            continue  # the conversation is as it was before this turn (nothing dropped)
+        if dropped:  # only once the turn has happened: a failed turn drops nothing
+            click.echo(_dropped_note(dropped, loaded.plan(config).limit), err=True)
         turns = kept + [{"role": "assistant", "content": result.text}]
         if show_stats:
             _print_stats(result)

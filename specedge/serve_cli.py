@@ -79,6 +79,9 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
               type=click.IntRange(2, 1_000_000), help="Prompt + completion tokens per request.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True,
               type=click.IntRange(1024, 1 << 30), help="Largest request body.")
+@click.option("--body-timeout", default=30.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a client may take to send its request body (408 after).")
 @click.option("--request-timeout", default=300.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Seconds per request.")
 @click.option("--drafter", default=None, type=click.Choice(DRAFTER_CHOICES))
@@ -98,7 +101,7 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
           max_batch: int, max_queue: int, max_tokens_limit: int, max_context: int,
-          max_body_bytes: int, request_timeout: float, drafter: str | None,
+          max_body_bytes: int, body_timeout: float, request_timeout: float, drafter: str | None,
           num_draft_tokens: int | None, no_speculation: bool, adaptive: bool | None,
           providers: str, threads: str | None, no_verify: bool, head: str,
           log_level: str) -> None:
@@ -123,7 +126,8 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
         options = ServerOptions(host=host, port=port, api_key=api_key, model_name=model_name,
                                 max_batch=max_batch, max_queue=max_queue,
                                 max_tokens_limit=max_tokens_limit, max_context=max_context,
-                                max_body_bytes=max_body_bytes, request_timeout_s=request_timeout,
+                                max_body_bytes=max_body_bytes, body_timeout_s=body_timeout,
+                                request_timeout_s=request_timeout,
                                 drafter="none" if no_speculation else drafter,
                                 num_draft_tokens=num_draft_tokens, adaptive=adaptive)
         loaded = LoadOptions(providers=providers, threads=threads, no_verify=no_verify,

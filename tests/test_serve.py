@@ -310,6 +310,32 @@ def test_deadline_ends_a_request(pairs: dict[str, Pair]) -> None:
         assert http.get("/health").status_code == 200
 
 
+def test_a_stalled_body_gets_408_and_frees_the_connection(pairs: dict[str, Pair]) -> None:
+    """A client that sends its headers and part of its body, then stalls, must not hold the
+    connection (and a handler) forever: it gets 408 in OpenAI's format and the server closes
+    the socket; the server keeps answering others meanwhile."""
+    app = create_app(pairs["gqa"], ServerOptions(body_timeout_s=0.5))
+    body = json.dumps({"model": pairs["gqa"].manifest.root.name, "prompt": "Hi"}).encode()
+    with running(app) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+            started = time.monotonic()
+            with httpx.Client(base_url=url, timeout=10) as http:
+                assert http.get("/health").status_code == 200
+            reply = b""
+            while chunk := sock.recv(65536):  # the server closes the connection after 408
+                reply += chunk
+            waited = time.monotonic() - started
+        head, _, payload = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply[:200]
+        error = json.loads(payload)["error"]
+        assert error["code"] == "request_timeout" and "--body-timeout" in error["message"]
+        assert 0.3 < waited < 5, waited
+
+
 # ------------------------------------------------------------------------------- bad input
 
 
@@ -567,6 +593,7 @@ print("ok")
 
 def test_server_options_are_checked() -> None:
     for bad in ({"max_batch": 0}, {"max_body_bytes": 10}, {"api_key": " "},
-                {"request_timeout_s": 0}):
+                {"request_timeout_s": 0}, {"body_timeout_s": 0},
+                {"body_timeout_s": float("nan")}, {"body_timeout_s": "5"}):
         with pytest.raises(InputError):
             ServerOptions(**bad)
