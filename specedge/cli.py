@@ -298,11 +298,17 @@ def tune(pair: Path, data_file: Path | None, ks: tuple[int, ...], drafters: tupl
 @main.command()
 @click.argument("pair", type=click.Path(path_type=Path))
 @NO_VERIFY
+@click.option("--render", "message", default=None, metavar="MESSAGE",
+              help="Also render MESSAGE as a user turn through the chat template: the exact "
+                   "prompt text and its token count, as generate --chat and serve send it.")
+@click.option("--system", default=None, help="A system message before --render's message.")
 @clean_errors
-def inspect(pair: Path, no_verify: bool) -> None:
+def inspect(pair: Path, no_verify: bool, message: str | None, system: str | None) -> None:
     """Validate the pair folder PAIR and print its manifest summary as JSON."""
     from specedge.runtime.manifest import describe, load_manifest
 
+    if system is not None and message is None:
+        raise click.UsageError("--system goes with --render MESSAGE")
     manifest = load_manifest(pair, verify_hashes=not no_verify)
     summary = dict(describe(manifest))
     template = manifest.provenance.get("chat_template")
@@ -310,7 +316,21 @@ def inspect(pair: Path, no_verify: bool) -> None:
         template = {"source": "unknown" if "chat_template.jinja" in manifest.tokenizer_files
                     else "none"}
     summary["chat_template"] = template
+    if message is not None:
+        summary["chat_template"] = {**template, **_render(manifest, message, system)}
     click.echo(json_dumps(summary, indent=2))
+
+
+def _render(manifest: Any, message: str, system: str | None) -> dict[str, Any]:
+    """The messages, the prompt the chat template renders for them, and its token count."""
+    from specedge.runtime.text import Tokenizer, check_text
+
+    turns = ([{"role": "system", "content": check_text(system, "--system")}] if system else [])
+    turns.append({"role": "user", "content": check_text(message, "--render")})
+    tokenizer = Tokenizer.from_folder(manifest.root, bos_token_id=manifest.bos_token_id,
+                                      eos_token_ids=manifest.eos_token_ids, manifest=manifest)
+    return {"messages": turns, "rendered": tokenizer.render_chat(turns),
+            "rendered_tokens": len(tokenizer.encode_chat(turns))}
 
 
 @main.command("split-head")

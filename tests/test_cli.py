@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from specedge.cli import main
+from specedge.runtime.pair import Pair
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -226,6 +227,23 @@ def test_inspect(runner: CliRunner, tiny_pair_dir: Path) -> None:
     assert "target" in info and "draft" in info
     assert info["vocab_size"] == 320
     assert info["target"]["max_seq_len"] == 512
+
+
+def test_inspect_renders_the_prompt_generate_sends(runner: CliRunner, tiny_pair: Pair,
+                                                   tiny_pair_dir: Path) -> None:
+    result = invoke(runner, "inspect", tiny_pair_dir, "--render", "Hello", "--system", "Brief.")
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)["chat_template"]
+    messages = [{"role": "system", "content": "Brief."}, {"role": "user", "content": "Hello"}]
+    assert shown["messages"] == messages
+    assert shown["rendered"] == tiny_pair.tokenizer.render_chat(messages)
+    assert "Hello" in shown["rendered"] and "Brief." in shown["rendered"]
+    assert shown["rendered_tokens"] == len(tiny_pair.encode_prompt(messages))
+    result = invoke(runner, "inspect", tiny_pair_dir, "--render", "Hello")
+    assert json.loads(result.stdout)["chat_template"]["rendered_tokens"] == len(
+        tiny_pair.encode_prompt("Hello", chat=True))
+    result = invoke(runner, "inspect", tiny_pair_dir, "--system", "Brief.")
+    assert result.exit_code == 2 and "--system goes with --render" in result.stderr
 
 
 def test_inspect_missing(runner: CliRunner, tmp_path: Path) -> None:
