@@ -458,10 +458,22 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
 
+_SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
+           "GET /metrics")
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    body = error_body(str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-    return JSONResponse(body, exc.status_code, headers=exc.headers)
+    path = _route_path(request.scope)
+    message, code = str(exc.detail), None
+    if exc.status_code == 404:
+        message, code = f"There is no route {path}; this server serves {_SERVED}.", "not_found"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = (f"{request.method} is not allowed on {path}"
+                   + (f"; use {allowed}." if allowed else "."))
+        code = "method_not_allowed"
+    return JSONResponse(error_body(message, code=code), exc.status_code, headers=exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

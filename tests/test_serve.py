@@ -396,8 +396,13 @@ def test_bad_input_is_4xx_in_openai_format(served: Served) -> None:
             assert error["message"] and error["param"] == param, (name, error)
             assert "Traceback" not in reply.text and folder not in reply.text, name
         assert http.get("/nowhere").status_code == 404
-        assert http.get("/nowhere").json()["error"]["code"] == "not_found"
-        assert http.post("/v1/models").status_code == 405
+        missing = http.get("/nowhere").json()["error"]
+        assert missing["code"] == "not_found"
+        assert "no route /nowhere" in missing["message"]
+        assert "POST /v1/chat/completions" in missing["message"]
+        wrong = http.post("/v1/models")
+        assert wrong.status_code == 405 and wrong.json()["error"]["message"] == (
+            "POST is not allowed on /v1/models; use GET, HEAD.")
         assert http.get("/health").json()["status"] == "ok"
     reply = served.client().chat.completions.create(
         model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
