@@ -76,9 +76,11 @@ class BatchRows:
         Each row keeps its own length. The rows' pasts are padded to the longest with
         attention-mask holes, the new tokens get per-row position ids, and only each row's
         `new_lens[i]` new keys/values are copied back after its own prefix. Rows of the cache
-        that are not in `rows` are neither fed nor paid for. Concat-form graphs only (ONNX
-        Runtime's GroupQueryAttention, CPU and CUDA, refuses batch > 1 with several new tokens
-        after a past). On a GPU provider the cache stays on the device (`runtime/device_kv`).
+        that are not in `rows` are neither fed nor paid for. A concat-form graph runs any
+        block in one call; an in-place (gqa-shared) graph runs the calls ONNX Runtime's
+        GroupQueryAttention takes (CPU and CUDA refuse batch > 1 with several new tokens after
+        a past: see `_rows_step_shared`), as a batch's draft does. On a GPU provider the cache
+        stays on the device (`runtime/device_kv`).
 
         Returns:
             logits `[len(rows), tokens.shape[1], vocab]`; entries past `new_lens[i]` are padding.
