@@ -582,12 +582,14 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
         "",
         "## Sampled (temperature 0.7, top-p 0.9, seeded)",
         "",
-        "| configuration | tok/s e2e | tok/s decode | acceptance |",
-        "|---|---|---|---|",
     ]
-    for name in ("specedge sampled target-only", "specedge sampled K=2"):
-        if name not in rows:  # --lean
-            continue
+    sampled = [name for name in ("specedge sampled target-only", "specedge sampled K=2")
+               if name in rows]
+    if not sampled:
+        lines.append("Not run (`--lean`); `docs/results/bench_sampled.txt` has sampled figures.")
+    else:
+        lines += ["| configuration | tok/s e2e | tok/s decode | acceptance |", "|---|---|---|---|"]
+    for name in sampled:
         r = rows[name]
         acc = "–" if r["acceptance"] != r["acceptance"] else f"{r['acceptance']:.2f}"
         lines.append(f"| {name} | {r['e2e']:.1f} | {r['decode']:.1f} | {acc} |")
