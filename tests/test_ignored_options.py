@@ -17,7 +17,6 @@ each test fails before its fix.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -28,17 +27,17 @@ from specedge.runtime.errors import InputError, ModelError
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.prompts import read_prompts
 
-from .test_hardening import clean_error, edit_manifest, invoke, pair_copy
+from .test_hardening import (
+    HAS_ONNX,
+    HAS_TORCH,
+    clean_error,
+    edit_manifest,
+    invoke,
+    pair_copy,
+    runner,
+)
 
-__all__ = ["pair_copy"]  # a fixture, imported for the tests below
-
-HAS_ONNX = importlib.util.find_spec("onnx") is not None
-HAS_TORCH = importlib.util.find_spec("torch") is not None
-
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return CliRunner()
+__all__ = ["pair_copy", "runner"]  # fixtures, imported for the tests below
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs the [export] extra")
