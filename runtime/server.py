@@ -1,7 +1,8 @@
 """`specedge serve` as an ASGI app: the OpenAI API over a continuously batched speculative worker.
 
     app = create_app(Pair.load("pairs/smollm2-135m"), ServerOptions(api_key="..."))
-    uvicorn.run(app, host="127.0.0.1", port=8000)   # or mount it in another Starlette app
+    uvicorn.run(app, host="127.0.0.1", port=8000,    # or mount it in another Starlette app
+                http=request_deadline_protocol(30))  # (runtime/http_deadline: slow heads)
 
 Built on Starlette (https://www.starlette.io); requests are translated by `openai_api` and
 decoded by `scheduler.Scheduler` on its own thread, so the event loop never runs a model. Routes:
@@ -84,8 +85,10 @@ class ServerOptions:
         max_tokens_limit: the largest `max_tokens` a request may ask for (and the default).
         max_context: prompt + completion tokens per request (sizes the batch's KV cache).
         max_body_bytes: the largest request body (413 above it).
-        body_timeout_s: seconds a client may take to send its request body (408 after it),
-            so a stalled or trickling client cannot hold a connection and its buffer.
+        receive_timeout_s: seconds a client may take to send a request body (408 after it, and
+            the connection closes), so a stalled or trickling client cannot hold a connection
+            and its buffer; the CLI's uvicorn gives each request head the same time
+            (`http_deadline.request_deadline_protocol`).
         request_timeout_s: a request still running after this long is ended (504).
         drafter, num_draft_tokens, adaptive: the decoding plan (None: the pair's defaults).
     """
@@ -99,7 +102,7 @@ class ServerOptions:
     max_tokens_limit: int = 512
     max_context: int = 2048
     max_body_bytes: int = 1 << 20
-    body_timeout_s: float = 30.0
+    receive_timeout_s: float = 30.0
     request_timeout_s: float = 300.0
     drafter: str | None = None
     num_draft_tokens: int | None = None
@@ -116,7 +119,7 @@ class ServerOptions:
                 raise InputError(f"server option {name} must be an integer in [{lo}, {hi}], "
                                  f"got {value!r}")
         for name, seconds in (("request_timeout_s", self.request_timeout_s),
-                              ("body_timeout_s", self.body_timeout_s)):
+                              ("receive_timeout_s", self.receive_timeout_s)):
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
                     or not 0 < seconds < float("inf"):
                 raise InputError(f"server option {name} must be a number of seconds > 0, got "
@@ -209,7 +212,7 @@ async def _text(request: Request, state: _State) -> Response:
 
 
 async def _complete(request: Request, state: _State, kind: str) -> Response:
-    body = await _read_json(request, state.options.max_body_bytes, state.options.body_timeout_s)
+    body = await _read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
     parsed = parse_request(kind, body, state.defaults)
     config = await run_in_threadpool(_fit, state, parsed)
     shape = ResponseShape.new(kind, state.defaults.model)
@@ -353,7 +356,7 @@ async def _read_json(request: Request, limit: int, timeout_s: float) -> Any:
         raise APIError(499, "the client disconnected") from None
     except TimeoutError:
         raise APIError(408, f"The request body did not arrive within {timeout_s:g} s; send it "
-                            "whole, or raise the server's --body-timeout.",
+                            "whole, or raise the server's --receive-timeout.",
                        code="request_timeout", headers={"Connection": "close"}) from None
     try:
         return json.loads(b"".join(chunks))
@@ -469,7 +472,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         message, code = f"There is no route {path}; this server serves {_SERVED}.", "not_found"
     elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
+        allowed = ", ".join(sorted(m.strip() for m in (exc.headers or {}).get("Allow", "")
+                                   .split(",") if m.strip()))  # Starlette's order varies
         message = (f"{request.method} is not allowed on {path}"
                    + (f"; use {allowed}." if allowed else "."))
         code = "method_not_allowed"

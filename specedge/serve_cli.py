@@ -79,9 +79,11 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
               type=click.IntRange(2, 1_000_000), help="Prompt + completion tokens per request.")
 @click.option("--max-body-bytes", default=1 << 20, show_default=True,
               type=click.IntRange(1024, 1 << 30), help="Largest request body.")
-@click.option("--body-timeout", default=30.0, show_default=True,
+@click.option("--receive-timeout", default=30.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True),
-              help="Seconds a client may take to send its request body (408 after).")
+              help="Seconds a client may take to send a request: its head (from connecting, "
+                   "or from the previous response) and then its body; slower clients are "
+                   "disconnected (a late body gets 408).")
 @click.option("--request-timeout", default=300.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Seconds per request.")
 @click.option("--drafter", default=None, type=click.Choice(DRAFTER_CHOICES))
@@ -101,7 +103,7 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
           max_batch: int, max_queue: int, max_tokens_limit: int, max_context: int,
-          max_body_bytes: int, body_timeout: float, request_timeout: float, drafter: str | None,
+          max_body_bytes: int, receive_timeout: float, request_timeout: float, drafter: str | None,
           num_draft_tokens: int | None, no_speculation: bool, adaptive: bool | None,
           providers: str, threads: str | None, no_verify: bool, head: str,
           log_level: str) -> None:
@@ -113,6 +115,7 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
     try:
         import uvicorn
 
+        from specedge.runtime.http_deadline import request_deadline_protocol
         from specedge.runtime.server import ServerOptions, create_app
     except ImportError as exc:
         click.echo(f"error: specedge serve needs the [serve] extra ({exc.name} is missing): "
@@ -126,7 +129,7 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
         options = ServerOptions(host=host, port=port, api_key=api_key, model_name=model_name,
                                 max_batch=max_batch, max_queue=max_queue,
                                 max_tokens_limit=max_tokens_limit, max_context=max_context,
-                                max_body_bytes=max_body_bytes, body_timeout_s=body_timeout,
+                                max_body_bytes=max_body_bytes, receive_timeout_s=receive_timeout,
                                 request_timeout_s=request_timeout,
                                 drafter="none" if no_speculation else drafter,
                                 num_draft_tokens=num_draft_tokens, adaptive=adaptive)
@@ -146,7 +149,7 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
                     "use the model", host)
     log.info(_describe(app.state.scheduler, host, port, api_key is not None))
     uvicorn.run(app, host=host, port=port, log_level=log_level, server_header=False,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, http=request_deadline_protocol(receive_timeout))
 
 
 if __name__ == "__main__":

@@ -57,11 +57,12 @@ class Served:
 
 
 @contextmanager
-def running(app: Any) -> Iterator[str]:
-    """Run `app` under uvicorn on a free 127.0.0.1 port in a thread; yield its base URL."""
+def running(app: Any, http: Any = "auto") -> Iterator[str]:
+    """Run `app` under uvicorn (`http`: its HTTP protocol) on a free 127.0.0.1 port in a thread;
+    yield its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", http=http))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -314,7 +315,7 @@ def test_a_stalled_body_gets_408_and_frees_the_connection(pairs: dict[str, Pair]
     """A client that sends its headers and part of its body, then stalls, must not hold the
     connection (and a handler) forever: it gets 408 in OpenAI's format and the server closes
     the socket; the server keeps answering others meanwhile."""
-    app = create_app(pairs["gqa"], ServerOptions(body_timeout_s=0.5))
+    app = create_app(pairs["gqa"], ServerOptions(receive_timeout_s=0.5))
     body = json.dumps({"model": pairs["gqa"].manifest.root.name, "prompt": "Hi"}).encode()
     with running(app) as url:
         port = int(url.rsplit(":", 1)[1])
@@ -332,8 +333,59 @@ def test_a_stalled_body_gets_408_and_frees_the_connection(pairs: dict[str, Pair]
         head, _, payload = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), reply[:200]
         error = json.loads(payload)["error"]
-        assert error["code"] == "request_timeout" and "--body-timeout" in error["message"]
+        assert error["code"] == "request_timeout" and "--receive-timeout" in error["message"]
         assert 0.3 < waited < 5, waited
+
+
+def test_a_connection_without_a_request_head_is_closed(pairs: dict[str, Pair]) -> None:
+    """uvicorn alone keeps a connection that sends nothing, or trickles a request head, open for
+    good (its keep-alive timer restarts with every byte and does not run before a first
+    request). With `request_deadline_protocol` each head must be complete in time: from the
+    connection, and again after each response. Requests in progress are never cut."""
+    from specedge.runtime.http_deadline import request_deadline_protocol
+
+    pair = SlowPair(pairs["gqa"], delay=0.3)
+    pair.gate.set()
+    app = create_app(pair, ServerOptions(receive_timeout_s=5))
+    with running(app, http=request_deadline_protocol(0.8)) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        def closed_after(sock: socket.socket, trickle: bytes = b"") -> float:
+            """Seconds until the server closes `sock`, sending `trickle` a byte at a time."""
+            started = time.monotonic()
+            sock.settimeout(0.1)
+            for byte in trickle:
+                try:
+                    if sock.recv(65536) == b"":
+                        return time.monotonic() - started
+                except TimeoutError:
+                    pass
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:  # already closed by the server
+                    return time.monotonic() - started
+            sock.settimeout(10)
+            while sock.recv(65536):
+                pass
+            return time.monotonic() - started
+
+        with socket.create_connection(("127.0.0.1", port)) as silent:
+            assert 0.5 < closed_after(silent) < 5
+        with socket.create_connection(("127.0.0.1", port)) as trickling:
+            head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+            assert 0.5 < closed_after(trickling, head) < 5
+        # A keep-alive connection: the deadline runs again after each response, and a
+        # response that takes longer than the deadline is not cut.
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(3):
+                assert http.get("/health").status_code == 200
+                time.sleep(0.3)
+            started = time.monotonic()
+            slow = http.post("/v1/completions", json={
+                "model": pair.manifest.root.name, "prompt": "Hello", "max_tokens": 16,
+                "temperature": 0, "stream": True})
+            assert slow.status_code == 200 and slow.text.rstrip().endswith("data: [DONE]")
+            assert time.monotonic() - started > 1.0  # longer than the deadline, not cut
 
 
 # ------------------------------------------------------------------------------- bad input
@@ -568,10 +620,12 @@ def test_doc_client_example_runs(served: Served, capsys: pytest.CaptureFixture[s
 
 def test_doc_embedding_example_mounts(tiny_pair_dir: Path) -> None:
     code = _doc_block("create_app").replace('"pairs/smollm2-135m"', repr(str(tiny_pair_dir)))
-    code = code.replace('uvicorn.run(app, host="127.0.0.1", port=8000)', "")
+    code, runs = re.subn(r"uvicorn\.run\(app, host=\"127\.0\.0\.1\", port=8000, "
+                         r"http=request_deadline_protocol\(30\)\)", "", code)
+    assert runs == 1
     scope: dict[str, Any] = {}
     exec(compile(code, "docs/serve.md", "exec"), scope)
-    with running(scope["app"]) as url:
+    with running(scope["app"], http=scope["request_deadline_protocol"](30)) as url:
         assert httpx.get(url + "/llm/health").json()["status"] == "ok"
         client = openai.OpenAI(base_url=url + "/llm/v1", api_key="none", max_retries=0)
         reply = client.completions.create(model=tiny_pair_dir.name, prompt="Hi", max_tokens=4,
@@ -598,7 +652,7 @@ print("ok")
 
 def test_server_options_are_checked() -> None:
     for bad in ({"max_batch": 0}, {"max_body_bytes": 10}, {"api_key": " "},
-                {"request_timeout_s": 0}, {"body_timeout_s": 0},
-                {"body_timeout_s": float("nan")}, {"body_timeout_s": "5"}):
+                {"request_timeout_s": 0}, {"receive_timeout_s": 0},
+                {"receive_timeout_s": float("nan")}, {"receive_timeout_s": "5"}):
         with pytest.raises(InputError):
             ServerOptions(**bad)
