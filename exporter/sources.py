@@ -167,11 +167,15 @@ def _set_chat_template(folder: Path, template: str) -> None:
         cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
 def read_chat_template(file: Path) -> str:
     """The text of a `--chat-template` file, once jinja2 parses it.
 
     Raises:
-        InputError: the file is missing, unreadable, not UTF-8, empty or not a jinja template.
+        InputError: the file is missing, unreadable, larger than 1 MiB, not UTF-8, empty or
+            not a jinja template.
     """
     import jinja2
 
@@ -179,7 +183,15 @@ def read_chat_template(file: Path) -> str:
 
     where = f"--chat-template {file}"
     try:
-        text = Path(file).expanduser().read_bytes().decode("utf-8")
+        # Bounded: a device such as /dev/zero, or a huge file given by mistake, is not read
+        # whole. A template is a few KiB (with tool calls, tens of KiB). A byte-order mark
+        # (Windows editors) is dropped, or it would start every prompt.
+        with open(Path(file).expanduser(), "rb") as fh:
+            data = fh.read(MAX_CHAT_TEMPLATE_BYTES + 1)
+        if len(data) > MAX_CHAT_TEMPLATE_BYTES:
+            raise InputError(f"{where}: larger than {MAX_CHAT_TEMPLATE_BYTES >> 20} MiB; a chat "
+                             "template is a few KiB: give the template file")
+        text = data.decode("utf-8-sig")
     except FileNotFoundError:
         raise InputError(f"{where}: no such file") from None
     except IsADirectoryError:

@@ -11,6 +11,8 @@ each test fails before its fix.
   failed on its first line;
 - a KV cache whose heads differ from the manifest's was reported as "the past_key_values.0.key
   model's past_key_values.0.key has 2 ...", naming a tensor as the model;
+- `export --chat-template /dev/zero` read without end (a MemoryError traceback under a memory
+  cap), and a template file starting with a byte-order mark put U+FEFF into every prompt;
 - chat said it had dropped the oldest exchanges for a turn that then failed, and so dropped
   nothing.
 """
@@ -33,7 +35,9 @@ from .test_hardening import (
     clean_error,
     edit_manifest,
     invoke,
+    one_error_line,
     pair_copy,
+    run_cli,
     runner,
 )
 
@@ -158,3 +162,16 @@ def test_a_failed_builder_leaves_its_log_where_the_error_says(tmp_path: Path) ->
     log = Path(re.search(r"full log: (\S+)$", str(info.value)).group(1))  # type: ignore[union-attr]
     assert log.is_file() and log.read_text().strip()
     log.unlink()
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs the [export] extra")
+def test_a_chat_template_file_is_read_bounded_and_without_its_bom(tmp_path: Path) -> None:
+    from specedge.exporter.sources import read_chat_template
+
+    proc = run_cli(["export", "any/model", "-o", tmp_path / "out", "--chat-template",
+                    "/dev/zero"], timeout=60, memory=2 << 30)
+    one_error_line(proc, "--chat-template /dev/zero: larger than 1 MiB")
+    assert not (tmp_path / "out").exists()
+    template = tmp_path / "t.jinja"
+    template.write_bytes(b"\xef\xbb\xbf{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert read_chat_template(template).startswith("{% for")
