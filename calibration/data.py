@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from specedge.runtime.backend import OrtModel
+from specedge.runtime.chat_template import validate_messages
 from specedge.runtime.errors import InputError
 from specedge.runtime.pair import Pair
 from specedge.runtime.prompts import read_text_file
@@ -108,16 +109,22 @@ class CalibrationOptions:
             raise InputError("step sizes must be >= 1")
 
 
-def read_texts(path: Path | None) -> list[str]:
-    """Texts from a .txt (blank-line separated) or .jsonl file; the built-in sample for None.
+Chat = list[dict[str, Any]]
+CalibrationText = str | Chat  # plain text, or chat messages rendered by the chat template
+
+
+def read_texts(path: Path | None) -> list[CalibrationText]:
+    """Texts from a .txt (blank-line separated, always plain text) or .jsonl file (`text` or
+    `prompt`: plain text; `messages`: a chat, checked here); the built-in sample for None.
 
     Raises:
-        InputError: missing/empty/undecodable file, a JSONL line without prompt/text/messages.
+        InputError: missing/empty/undecodable file, a JSONL line without prompt/text/messages,
+            or with malformed messages (`PATH:LINE: ...`).
     """
     if path is None:
         return list(BUILTIN_TEXTS)
     raw = read_text_file(path, "calibration data", "calibration file")
-    texts: list[str] = []
+    texts: list[CalibrationText] = []
     if path.suffix == ".jsonl":
         for n, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
@@ -132,8 +139,11 @@ def read_texts(path: Path | None) -> list[str]:
                 texts.append(obj["text"])
             elif isinstance(obj.get("prompt"), str):
                 texts.append(obj["prompt"])
-            elif isinstance(obj.get("messages"), list):
-                texts.append(json.dumps(obj["messages"]))  # rendered later with the template
+            elif "messages" in obj:
+                try:
+                    texts.append(validate_messages(obj["messages"]))
+                except InputError as exc:
+                    raise InputError(f"{path}:{n}: {exc}") from None
             else:
                 raise InputError(f"{path}:{n}: expected a \"text\", \"prompt\" or "
                                  "\"messages\" key")
@@ -144,18 +154,14 @@ def read_texts(path: Path | None) -> list[str]:
     return texts
 
 
-def tokenize(pair: Pair, texts: Sequence[str], opts: CalibrationOptions) -> list[list[int]]:
+def tokenize(pair: Pair, texts: Sequence[CalibrationText], opts: CalibrationOptions
+             ) -> list[list[int]]:
     """Token ids per text (chats through the template); too-long texts are an error."""
     limit = pair.manifest.target.max_seq_len
     out: list[list[int]] = []
     for i, text in enumerate(texts):
-        if text.startswith("[{"):
-            try:
-                ids = pair.tokenizer.encode_chat(json.loads(text))
-            except json.JSONDecodeError:
-                ids = pair.tokenizer.encode(text)
-        else:
-            ids = pair.tokenizer.encode(text)
+        ids = (pair.tokenizer.encode(text) if isinstance(text, str)
+               else pair.tokenizer.encode_chat(text))
         if len(ids) < 2:
             raise InputError(f"calibration text {i + 1} has fewer than 2 tokens")
         if len(ids) > limit:

@@ -438,7 +438,10 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         draft_precision = draft_precision or "fp32"
     elif draft_precision is not None:
         draft_src = target_src  # self-draft: the same model at another precision
+    # Everything the export reads from the folders, checked before any model is built.
+    sources.check_folder(target_src.folder, "target", own_template=opts.chat_template is None)
     if draft_src is not None and draft_src.folder != target_src.folder:
+        sources.check_folder(draft_src.folder, "draft", own_template=False)
         sources.check_same_vocab(target_src.folder, draft_src.folder)
     say(f"exporting the target ({opts.precision})")
     built = _export_model(target_src, opts.precision, "target", opts, tmp, work)

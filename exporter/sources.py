@@ -69,6 +69,9 @@ def resolve(spec: str, work: Path, name: str) -> Source:
             f"{path}: not a .gguf file nor a model folder; pass a Hugging Face folder, a .gguf "
             "file or a hub id"
         )
+    if path.exists():
+        raise ExportError(f"{path}: not a regular file nor a folder (a device, pipe or socket); "
+                          f"pass a Hugging Face folder, a .gguf file or a hub id as the {name}")
     if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
         return Source(download(spec, work / f"{name}-hub"), "hub", spec)
     raise ExportError(f"{spec}: no such file or folder (and not a hub id like org/name)")
@@ -161,8 +164,8 @@ def _set_chat_template(folder: Path, template: str) -> None:
     """Write chat_template.jinja and mirror it into tokenizer_config.json."""
     (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
     cfg_file = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
-    if isinstance(cfg, dict) and not isinstance(cfg.get("chat_template"), str):
+    cfg = read_json_file(cfg_file) if cfg_file.is_file() else {}
+    if not isinstance(cfg.get("chat_template"), str):
         cfg["chat_template"] = template
         cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
 
@@ -171,22 +174,28 @@ MAX_CHAT_TEMPLATE_BYTES = 1 << 20
 
 
 def read_chat_template(file: Path) -> str:
-    """The text of a `--chat-template` file, once jinja2 parses it.
+    """The text of a `--chat-template` file, once it renders a user turn (`check_chat_template`).
 
     Raises:
-        InputError: the file is missing, unreadable, larger than 1 MiB, not UTF-8, empty or
-            not a jinja template.
+        InputError: the file is missing, unreadable, larger than 1 MiB, not UTF-8, empty, not a
+            jinja template, or its template fails or renders no user message.
     """
-    import jinja2
-
-    from specedge.runtime import chat_template
-
     where = f"--chat-template {file}"
+    text = read_chat_template_text(Path(file).expanduser(), where)
+    check_chat_template(text, where, "fix the template")
+    return text
+
+
+def read_chat_template_text(file: Path, where: str) -> str:
+    """A chat template file's text: bounded (a device such as /dev/zero, or a huge file given
+    by mistake, is not read whole; a template is a few KiB, with tool calls tens of KiB), a
+    byte-order mark dropped (it would start every prompt).
+
+    Raises:
+        InputError: missing, a folder, unreadable, larger than 1 MiB, not UTF-8 or empty.
+    """
     try:
-        # Bounded: a device such as /dev/zero, or a huge file given by mistake, is not read
-        # whole. A template is a few KiB (with tool calls, tens of KiB). A byte-order mark
-        # (Windows editors) is dropped, or it would start every prompt.
-        with open(Path(file).expanduser(), "rb") as fh:
+        with open(file, "rb") as fh:
             data = fh.read(MAX_CHAT_TEMPLATE_BYTES + 1)
         if len(data) > MAX_CHAT_TEMPLATE_BYTES:
             raise InputError(f"{where}: larger than {MAX_CHAT_TEMPLATE_BYTES >> 20} MiB; a chat "
@@ -202,14 +211,37 @@ def read_chat_template(file: Path) -> str:
         raise InputError(f"{where}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     if not text.strip():
         raise InputError(f"{where}: the file is empty")
+    return text
+
+
+def check_chat_template(text: str, where: str, fix: str) -> None:
+    """Render `text` for one user turn in the runtime's sandbox, as `generate --chat` and the
+    server will: a template that is not valid jinja, fails, exceeds the sandbox's limits or
+    leaves the user's message out fails the export now, not at the first chat.
+
+    Raises:
+        InputError: naming `where`, with `fix`.
+    """
+    import jinja2
+
+    from specedge.runtime.chat_template import ChatTemplate, environment
+
     try:
-        chat_template.environment().parse(text)  # the sandbox the runtime renders it in
+        environment().parse(text)  # the sandbox the runtime renders it in
     except jinja2.TemplateSyntaxError as exc:
         raise InputError(f"{where}: not a valid jinja template (line {exc.lineno}: "
-                         f"{exc.message})") from None
-    except (jinja2.TemplateError, RecursionError, ValueError) as exc:
-        raise InputError(f"{where}: not a valid jinja template ({exc})") from None
-    return text
+                         f"{exc.message}); {fix}") from None
+    message = "Hello from specedge"
+    try:
+        rendered = ChatTemplate(text).render([{"role": "user", "content": message}],
+                                             add_generation_prompt=True, bos_token="",
+                                             eos_token="", max_chars=1 << 16)
+    except InputError as exc:
+        why = str(exc).replace("the chat template is invalid", "not a valid jinja template")
+        raise InputError(f"{where}: {why.split('; ')[0]}; {fix}") from None
+    if message not in rendered:
+        raise InputError(f"{where}: renders a user message without its text ({rendered[:60]!r}); "
+                         f"{fix}")
 
 
 def tokenizer_vocab(folder: Path) -> dict[str, int]:
@@ -217,9 +249,20 @@ def tokenizer_vocab(folder: Path) -> dict[str, int]:
     from tokenizers import Tokenizer
 
     file = folder / "tokenizer.json"
-    if not file.is_file():
+    if not file.exists():
         raise ExportError(f"{folder}: no tokenizer.json (a fast tokenizer is required)")
-    return dict(Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True))
+    if not file.is_file():
+        raise ExportError(f"{file}: not a regular file; a model folder's tokenizer.json is a "
+                          "JSON file")
+    if file.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
+        raise ExportError(f"{file}: larger than {MAX_TOKENIZER_FILE_BYTES >> 20} MiB; not a "
+                          "tokenizer")
+    try:
+        return dict(Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True))
+    except Exception as exc:  # the tokenizers library raises its own Exception for bad files
+        what = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ExportError(f"{file}: not a tokenizer the tokenizers library can read ({what}); "
+                          "the model folder is corrupt or has a slow tokenizer only") from None
 
 
 def check_same_vocab(target: Path, draft: Path) -> None:
@@ -279,7 +322,7 @@ def special_tokens(hf_dir: Path, config: dict[str, Any]) -> tuple[int | None, li
     sources_ = [config]
     gen = hf_dir / "generation_config.json"
     if gen.is_file():
-        sources_.append(json.loads(gen.read_text()))
+        sources_.append(read_json_file(gen))
     for src in sources_:
         value = src.get("eos_token_id")
         for t in value if isinstance(value, list) else [value]:
@@ -287,7 +330,7 @@ def special_tokens(hf_dir: Path, config: dict[str, Any]) -> tuple[int | None, li
                 eos.append(t)
     tok_cfg = hf_dir / "tokenizer_config.json"
     if tok_cfg.is_file():
-        cfg = json.loads(tok_cfg.read_text())
+        cfg = read_json_file(tok_cfg)
         name = cfg.get("eos_token")
         name = name.get("content") if isinstance(name, dict) else name
         if isinstance(name, str):
@@ -310,7 +353,7 @@ def copy_tokenizer(src: Source, dest: Path, template_file: Path | None
         if (hf_dir / name).is_file():
             shutil.copy2(hf_dir / name, dest / name)
     cfg_file = dest / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+    cfg = read_json_file(cfg_file) if cfg_file.is_file() else {}
     jinja = dest / "chat_template.jinja"
     origin: dict[str, Any]
     if template_file is not None:
@@ -341,14 +384,73 @@ def copy_tokenizer(src: Source, dest: Path, template_file: Path | None
 
 def read_config(folder: Path) -> dict[str, Any]:
     """config.json of an HF folder, with a clear error when it is unreadable."""
-    file = folder / "config.json"
+    return read_json_file(folder / "config.json")
+
+
+MAX_JSON_BYTES = 64 << 20  # config files are KiB; tokenizer.json is read by `tokenizer_vocab`
+MAX_TOKENIZER_FILE_BYTES = 256 << 20  # tokenizer.json of a 256k vocabulary is ~20 MiB
+
+
+def read_json_file(file: Path) -> dict[str, Any]:
+    """A JSON object file of a model folder (config.json, generation_config.json,
+    tokenizer_config.json), read bounded.
+
+    Raises:
+        ExportError: unreadable, not a regular file, too large, not JSON or not an object.
+    """
+    fix = "the model folder is corrupt; pass a Hugging Face model folder"
     try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ExportError(f"{file}: unreadable ({exc}); pass a Hugging Face model folder") from None
-    if not isinstance(data, dict):
-        raise ExportError(f"{file}: not a JSON object")
-    return data
+        if not file.is_file():
+            raise ExportError(f"{file}: not a regular file; {fix}")
+        with open(file, "rb") as fh:
+            data = fh.read(MAX_JSON_BYTES + 1)
+    except OSError as exc:
+        raise ExportError(f"{file}: unreadable ({exc.strerror or exc}); {fix}") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise ExportError(f"{file}: larger than {MAX_JSON_BYTES >> 20} MiB; {fix}")
+    try:
+        doc = json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ExportError(f"{file}: unreadable (not JSON: {exc}); {fix}") from None
+    if not isinstance(doc, dict):
+        raise ExportError(f"{file}: not a JSON object; {fix}")
+    return doc
+
+
+def check_folder(folder: Path, name: str, *, own_template: bool) -> None:
+    """Check what an export reads from a model folder before any model is built: config.json
+    (and a model with at least one layer), generation_config.json and tokenizer_config.json
+    when present, tokenizer.json, and, with `own_template`, the folder's chat template rendered
+    as `generate --chat` will render it.
+
+    Raises:
+        ExportError / InputError: the first problem, in one line naming the file.
+    """
+    from .archs import arch_for
+
+    read_config(folder)
+    config = hf_config(folder)
+    arch_for(config, where=str(folder))  # a family the exporter has, before its files
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:
+        raise ExportError(f"{folder / 'config.json'}: num_hidden_layers is {layers}; the "
+                          f"{name} needs at least one layer")
+    for extra in ("generation_config.json", "tokenizer_config.json"):
+        if (folder / extra).exists():
+            read_json_file(folder / extra)
+    tokenizer_vocab(folder)
+    if own_template:
+        from specedge.runtime.chat_template import pick_chat_template
+
+        jinja, cfg_file = folder / "chat_template.jinja", folder / "tokenizer_config.json"
+        if jinja.exists():
+            check_chat_template(read_chat_template_text(jinja, f"{jinja}"), f"{jinja}",
+                                "override it with --chat-template FILE")
+        elif cfg_file.exists():
+            text = pick_chat_template(read_json_file(cfg_file).get("chat_template"))
+            if text:
+                check_chat_template(text, f"{cfg_file} (chat_template)",
+                                    "override it with --chat-template FILE")
 
 
 def hf_config(folder: Path) -> Any:

@@ -50,8 +50,18 @@ def torch_logits(hf_dir: Path, ids: np.ndarray) -> np.ndarray:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                 attn_implementation="eager")
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    model, info = loaded
+    # transformers fills weights a checkpoint lacks with random values (and warns): the export
+    # would then "differ from torch" for a reason no re-export fixes.
+    missing = sorted(info.get("missing_keys") or []) + sorted(
+        str(m[0]) if isinstance(m, tuple | list) else str(m)
+        for m in info.get("mismatched_keys") or [])
+    if missing:
+        raise ExportError(f"{hf_dir}: the checkpoint lacks {len(missing)} weight(s) the model "
+                          f"needs, or has them in another shape ({', '.join(missing[:3])}); it "
+                          "is incomplete, corrupt or of another architecture")
     model.eval()
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(ids))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from specedge.cli_base import (
 )
 from specedge.exporter.pair import GRAPHS, PRECISIONS, PROVIDERS
 from specedge.exporter.quantize import METHODS
-from specedge.runtime.errors import InputError
+from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.files import json_dumps
 from specedge.runtime.manifest import DRAFTERS
 
@@ -54,6 +55,8 @@ def main(verbose: int) -> None:
     if not verbose:  # nor their progress bars (transformers' GGUF and weight loading)
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        # nor their warnings' own handlers (transformers' LOAD REPORT tables, ...)
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         # nor their warnings (torch.onnx's TracerWarning / UserWarning lines in a concat export)
         import warnings
 
@@ -137,8 +140,14 @@ def export(target: str, output: Path, draft: str | None, precision: str | None,
     if calibrate_method:
         from specedge.calibration.quantize import quantize_in_place
 
-        quality = quantize_in_place(report.folder, calibrate_method, data_file,
-                                    say=lambda msg: click.echo(msg, err=True))
+        try:
+            quality = quantize_in_place(report.folder, calibrate_method, data_file,
+                                        say=lambda msg: click.echo(msg, err=True))
+        except SpecEdgeError as exc:
+            why = " ".join(str(exc).split())
+            raise type(exc)(f"{why} (--calibrate failed; the exported fp32 pair is complete "
+                            f"at {report.folder}: quantize it with `specedge quantize "
+                            f"{report.folder} -o OUT --method {calibrate_method}`)") from None
         click.echo(json_dumps(quality, indent=2))
 
 
@@ -261,7 +270,12 @@ def quantize(pair: Path, output: Path, method: str, which: str, data_file: Path 
                            block_size=block_size, accuracy_level=accuracy_level,
                            exclude=exclude, symmetric=not asymmetric, force=force)
     folder = run(opts, say=lambda msg: click.echo(msg, err=True))
-    click.echo(json_dumps(annotate(pair, folder, which), indent=2))
+    try:
+        quality = annotate(pair, folder, which)
+    except BaseException:  # no output without its quality report (the pair was just written)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    click.echo(json_dumps(quality, indent=2))
 
 
 @main.command()

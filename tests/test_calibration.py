@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,11 @@ def test_read_texts_formats(tmp_path: Path) -> None:
     jl.write_text('{"text": "t"}\n{"prompt": "p"}\n'
                   '{"messages": [{"role": "user", "content": "hi"}]}\n')
     texts = data.read_texts(jl)
-    assert texts[:2] == ["t", "p"] and json.loads(texts[2])[0]["content"] == "hi"
+    assert texts == ["t", "p", [{"role": "user", "content": "hi"}]]
+    # a .txt file is plain text, whatever it looks like (it was parsed as a chat before)
+    chatty = tmp_path / "b.txt"
+    chatty.write_text('[{"role": "user", "content": "hi"}]\n')
+    assert data.read_texts(chatty) == ['[{"role": "user", "content": "hi"}]']
 
 
 @pytest.mark.parametrize("content, suffix, match", [
@@ -35,6 +38,8 @@ def test_read_texts_formats(tmp_path: Path) -> None:
     ("not json\n", ".jsonl", ":1: not valid JSON"),
     ('["a list"]\n', ".jsonl", ":1: expected a JSON object"),
     ('{"other": 1}\n', ".jsonl", ":1: expected a \"text\""),
+    ('{"text": "t"}\n{"messages": []}\n', ".jsonl", ":2: chat messages must be a non-empty"),
+    ('{"messages": [{"foo": 1}]}\n', ".jsonl", ":1: chat message 0 has no 'role' key"),
 ])
 def test_bad_calibration_files(tmp_path: Path, content: str, suffix: str, match: str) -> None:
     f = tmp_path / f"bad{suffix}"

@@ -1,0 +1,146 @@
+"""Bad model folders and files given to the exporter, from an audit of its inputs (session 18):
+each case gave a traceback, a misleading message, a late failure or an output left behind
+before its fix. Every case must end in one `error:` line, exit 1, and nothing at `-o`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from .test_hardening import clean_error, invoke, one_error_line, rehash, run_cli
+
+pytestmark = [
+    pytest.mark.export,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs [export]"),
+]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from specedge.exporter.tiny import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("hf") / "hf", seed=3)
+
+
+def _copy(base: Path, tmp_path: Path, change: Callable[[Path], None]) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(base, folder)
+    change(folder)
+    return folder
+
+
+def _config(key: str, value: object) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg[key] = value
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return change
+
+
+def _write(name: str, content: str) -> Callable[[Path], None]:
+    return lambda folder: (folder / name).write_text(content)
+
+
+def _zero(name: str) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        (folder / name).unlink(missing_ok=True)
+        (folder / name).symlink_to("/dev/zero")
+    return change
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (_config("num_hidden_layers", 0), "num_hidden_layers is 0; the target needs at least one"),
+    (_write("generation_config.json", "{bad"), "generation_config.json: unreadable (not JSON"),
+    (_zero("generation_config.json"), "generation_config.json: not a regular file"),
+    (_write("tokenizer.json", "{bad"), "tokenizer.json: not a tokenizer the tokenizers"),
+    (lambda f: (f / "tokenizer.json").unlink(), "no tokenizer.json (a fast tokenizer"),
+    (_write("chat_template.jinja", "{% for %}"), "chat_template.jinja: not a valid jinja"),
+    (_write("chat_template.jinja", "{{ raise_exception('no') }}"), "rejected the messages"),
+], ids=["zero-layers", "generation-config-not-json", "generation-config-dev-zero",
+        "tokenizer-not-json", "no-tokenizer", "template-not-jinja", "template-raises"])
+def test_a_bad_model_folder_fails_before_any_build(runner: CliRunner, base: Path,
+                                                   tmp_path: Path, change: Callable[[Path], None],
+                                                   message: str) -> None:
+    folder = _copy(base, tmp_path, change)
+    out = tmp_path / "out"
+    result = invoke(runner, "export", folder, "-o", out, "--precision", "fp32")
+    clean_error(result, message)
+    assert "exporting the target" not in result.stderr  # refused before building anything
+    assert not out.exists()
+
+
+def test_a_bad_draft_folder_fails_in_one_line(runner: CliRunner, base: Path,
+                                              tmp_path: Path) -> None:
+    draft = _copy(base, tmp_path, _write("tokenizer.json", "[]"))
+    out = tmp_path / "out"
+    result = invoke(runner, "export", base, "--draft", draft, "-o", out, "--no-validate")
+    clean_error(result, "tokenizer.json: not a tokenizer the tokenizers")
+    assert not out.exists()
+
+
+def test_a_template_override_that_renders_no_message_is_refused(runner: CliRunner, base: Path,
+                                                                tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}]{% endfor %}")
+    result = invoke(runner, "export", base, "-o", tmp_path / "out", "--chat-template", template)
+    clean_error(result, "renders a user message without its text")
+    # An override replaces a broken template of the folder, which is then not judged.
+    broken = _copy(base, tmp_path, _write("chat_template.jinja", "{% for %}"))
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    result = invoke(runner, "export", broken, "-o", tmp_path / "ok", "--precision", "fp32",
+                    "--no-validate", "--chat-template", template)
+    assert result.exit_code == 0, result.output
+
+
+def test_a_device_or_pipe_as_the_model_is_named(runner: CliRunner, tmp_path: Path) -> None:
+    zero = tmp_path / "zero.gguf"
+    zero.symlink_to("/dev/zero")
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    for path in (zero, fifo):
+        result = invoke(runner, "export", path, "-o", tmp_path / "out")
+        clean_error(result, "not a regular file nor a folder")
+
+
+def test_weights_missing_from_the_checkpoint_are_named(runner: CliRunner, base: Path,
+                                                       tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    def drop(folder: Path) -> None:
+        weights = load_file(folder / "model.safetensors")
+        del weights["model.layers.0.mlp.down_proj.weight"]
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+    folder = _copy(base, tmp_path, drop)
+    out = tmp_path / "out"
+    proc = run_cli(["export", folder, "-o", out, "--precision", "fp32"], timeout=300)
+    line = one_error_line(proc, "the checkpoint lacks 1 weight(s)")
+    assert "model.layers.0.mlp.down_proj.weight" in line and ".tmp-" not in line
+    assert "LOAD REPORT" not in proc.stderr  # transformers' own table, without -v
+    assert not out.exists()
+
+
+def test_quantize_leaves_no_output_when_its_quality_check_fails(runner: CliRunner,
+                                                                tiny_pair_dir: Path,
+                                                                tmp_path: Path) -> None:
+    pair = tmp_path / "pair"
+    shutil.copytree(tiny_pair_dir, pair)
+    (pair / "chat_template.jinja").write_text("{% for %}")
+    rehash(pair, "chat_template.jinja")
+    out = tmp_path / "q"
+    result = invoke(runner, "quantize", pair, "-o", out, "--method", "int8-rtn")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1].startswith("error: the chat template")
+    assert not out.exists()
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
