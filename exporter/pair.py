@@ -214,6 +214,9 @@ def check_output(output: Path, *, force: bool, inputs: Iterable[str | Path | Non
                              "replaces a previous pair folder: choose another --output or remove "
                              "the folder yourself")
     parent = out.parent
+    blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise InputError(f"{out}: {blocking} is a file, not a folder; choose another --output")
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

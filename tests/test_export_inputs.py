@@ -141,6 +141,12 @@ def test_quantize_leaves_no_output_when_its_quality_check_fails(runner: CliRunne
     assert not out.exists()
 
 
+def test_an_output_under_a_file_is_named(runner: CliRunner, base: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    result = invoke(runner, "export", base, "-o", tmp_path / "afile" / "sub" / "pair")
+    clean_error(result, "afile is a file, not a folder; choose another --output")
+
+
 @pytest.fixture
 def runner() -> CliRunner:
     return CliRunner()
