@@ -163,6 +163,13 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
     scheduler = Scheduler(pair, options.scheduler_options(), metrics)
     pair.plan(GenerationConfig(drafter=options.drafter, num_draft_tokens=options.num_draft_tokens,
                                adaptive=options.adaptive))  # fail now, not at the first request
+    if pair.tokenizer.has_chat_template:  # a broken one would fail every chat request
+        try:
+            pair.encode_prompt([{"role": "user", "content": "Hello"}])
+        except InputError as exc:
+            raise InputError(f"{pair.manifest.root}: the pair's chat template fails for a user "
+                             f"turn ({exc}); fix it (specedge export ... --chat-template FILE) "
+                             "before serving") from None
     defaults = RequestDefaults(model=options.model_name or pair.manifest.root.name,
                                max_tokens_limit=options.max_tokens_limit,
                                drafter=options.drafter,

@@ -34,6 +34,10 @@ from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.server import ServerOptions, create_app
 
+from .test_hardening import pair_copy, rehash
+
+__all__ = ["pair_copy"]  # a fixture, imported for the tests below
+
 ROOT = Path(__file__).resolve().parents[1]
 FORMS = {"gqa": "tiny-llama", "concat": "tiny-llama-concat"}
 PROMPTS = ["Hello there", "The quick brown fox", "def add(a, b):", "Once upon a time",
@@ -648,6 +652,15 @@ print("ok")
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_a_broken_chat_template_stops_the_server_at_start(pair_copy: Path) -> None:
+    """Every chat request would fail with a 400 the operator never sees: create_app (and so
+    `specedge serve`, before it listens) refuses the pair instead."""
+    (pair_copy / "chat_template.jinja").write_text("{{ raise_exception('broken') }}")
+    rehash(pair_copy, "chat_template.jinja")
+    with pytest.raises(InputError, match="chat template fails for a user turn .*broken"):
+        create_app(Pair.load(pair_copy))
 
 
 def test_server_options_are_checked() -> None:
