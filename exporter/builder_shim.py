@@ -1,8 +1,14 @@
 """Run ONNX Runtime GenAI's model builder with the config fixes it needs (a child process).
 
 `python -m specedge.exporter.builder_shim BUILDER-ARGS...` runs
-`onnxruntime_genai.models.builder` as its own `__main__` would, after one change: configs that
-transformers 5 loads in a shape the builder does not read are rewritten by `fix_config` first.
+`onnxruntime_genai.models.builder` as its own `__main__` would, after two changes:
+
+- configs that transformers 5 loads in a shape the builder does not read are rewritten by
+  `fix_config` first;
+- a checkpoint that lacks weights its model needs is refused (`checkpoint.check_loading_info`)
+  instead of built with the random values transformers fills in: the child prints one
+  `ERROR_PREFIX` line and exits with `ERROR_EXIT`, and `onnx_export.build_gqa` raises that line.
+  Without this, `export --no-validate` wrote such a model without a word.
 
 - gemma3_text: transformers 5 nests the rotary settings per layer kind (`rope_parameters =
   {"full_attention": {...}, "sliding_attention": {...}}`), while the builder's Gemma 3 path
@@ -15,7 +21,11 @@ from __future__ import annotations
 
 import runpy
 import sys
+from pathlib import Path
 from typing import Any
+
+ERROR_PREFIX = "specedge-error: "
+ERROR_EXIT = 3
 
 
 def nested_rope(config: Any) -> dict[str, dict[str, Any]] | None:
@@ -52,16 +62,34 @@ def fix_config(config: Any) -> Any:
 
 
 def main(argv: list[str]) -> None:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PreTrainedModel
 
-    load = AutoConfig.from_pretrained
+    from specedge.runtime.errors import ExportError
 
-    def from_pretrained(*args: Any, **kwargs: Any) -> Any:
-        return fix_config(load(*args, **kwargs))
+    from .checkpoint import check_loading_info
 
-    AutoConfig.from_pretrained = from_pretrained  # type: ignore[method-assign]
+    load_config = AutoConfig.from_pretrained
+    load_model = PreTrainedModel.from_pretrained.__func__  # type: ignore[attr-defined]
+
+    def config_from_pretrained(*args: Any, **kwargs: Any) -> Any:
+        return fix_config(load_config(*args, **kwargs))
+
+    def model_from_pretrained(cls: Any, source: Any, *args: Any, **kwargs: Any) -> Any:
+        # Every model class's loader, whichever the builder picks (AutoModelForCausalLM ends here).
+        wanted = kwargs.pop("output_loading_info", False)
+        model, info = load_model(cls, source, *args, output_loading_info=True, **kwargs)
+        if isinstance(source, str | Path):
+            check_loading_info(source, info)
+        return (model, info) if wanted else model
+
+    AutoConfig.from_pretrained = config_from_pretrained  # type: ignore[method-assign]
+    PreTrainedModel.from_pretrained = classmethod(model_from_pretrained)  # type: ignore[assignment]
     sys.argv = ["onnxruntime_genai.models.builder", *argv]
-    runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+    except ExportError as exc:
+        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
+        sys.exit(ERROR_EXIT)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any
 from specedge.runtime.errors import ExportError
 
 from .archs import ArchSpec
+from .builder_shim import ERROR_EXIT, ERROR_PREFIX
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ def build_gqa(hf_dir: Path, out: Path, precision: str, provider: str, cache: Pat
     if proc.returncode != 0 or not (out / "model.onnx").is_file():
         lines = [ln.strip() for ln in log_file.read_text(errors="replace").splitlines()
                  if ln.strip()]
+        ours = [ln for ln in lines if ln.startswith(ERROR_PREFIX)]
+        if proc.returncode == ERROR_EXIT and ours:  # the shim refused the input: say only that
+            raise ExportError(ours[-1][len(ERROR_PREFIX):])
         last = lines[-1][:300] if lines else "no output"
         fd, kept = tempfile.mkstemp(prefix="specedge-builder-", suffix=".log")
         with os.fdopen(fd, "wb") as copy:
@@ -143,13 +147,15 @@ def concat_from_gqa(info: GraphInfo) -> GraphInfo:
 def export_concat(hf_dir: Path, out: Path, arch: ArchSpec, precision: str) -> GraphInfo:
     """Export with torch.onnx (standard ops, concat KV) for families the builder lacks."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from .checkpoint import load_complete
 
     if precision not in ("fp32",):
         raise ExportError(f"{arch.model_type}: the concat form exports fp32 only (then quantize "
                           "with --precision int8/int4 on the fp32 graph)")
     config = AutoConfig.from_pretrained(str(hf_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    model = load_complete(hf_dir, dtype=torch.float32)
     model.eval()
     layers = config.num_hidden_layers
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -26,6 +26,8 @@ from typing import Any
 from specedge.runtime.errors import ExportError, InputError
 from specedge.runtime.files import sha256_file
 
+from .checkpoint import check_loading_info
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "tokenizer*"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -116,8 +118,9 @@ def gguf_to_folder(gguf: Path, out: Path) -> Path:
     if not _is_gguf(gguf):
         raise ExportError(f"{gguf}: not a GGUF file (bad magic bytes); check the download")
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        result: Any = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
+        loaded, info = result
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # gguf / transformers raise many types for corrupt files
         msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
@@ -125,6 +128,7 @@ def gguf_to_folder(gguf: Path, out: Path) -> Path:
             f"{gguf}: could not read the GGUF file ({msg}); the file is corrupt, truncated or "
             "of an architecture transformers cannot dequantize"
         ) from None
+    check_loading_info(gguf, info)  # a tensor the file lacks would be random in the export
     cfg = loaded.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg.pop("torch_dtype", None)

@@ -23,6 +23,8 @@ from specedge.runtime.errors import ExportError, InputError
 from specedge.runtime.manifest import ModelSpec
 from specedge.runtime.sessions import SessionConfig
 
+from .checkpoint import load_complete
+
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
 FP16_RELATIVE = 1e-2  # fp16: max |Δ| may reach 1% of the largest |logit| (about 10 fp16 steps)
 PREFILL, STEP = 12, 5
@@ -48,20 +50,8 @@ def compare(reference: np.ndarray, candidate: np.ndarray) -> dict[str, float]:
 def torch_logits(hf_dir: Path, ids: np.ndarray) -> np.ndarray:
     """Logits of the HF model on `ids` `[1, n]` → `[n, vocab]` (fp32, eager attention)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    loaded: Any = AutoModelForCausalLM.from_pretrained(
-        str(hf_dir), dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-    model, info = loaded
-    # transformers fills weights a checkpoint lacks with random values (and warns): the export
-    # would then "differ from torch" for a reason no re-export fixes.
-    missing = sorted(info.get("missing_keys") or []) + sorted(
-        str(m[0]) if isinstance(m, tuple | list) else str(m)
-        for m in info.get("mismatched_keys") or [])
-    if missing:
-        raise ExportError(f"{hf_dir}: the checkpoint lacks {len(missing)} weight(s) the model "
-                          f"needs, or has them in another shape ({', '.join(missing[:3])}); it "
-                          "is incomplete, corrupt or of another architecture")
+    model = load_complete(hf_dir, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(ids))

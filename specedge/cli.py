@@ -158,12 +158,13 @@ def _print_export(report: Any) -> None:
             continue
         v = spec.validation
         step, pre = v.get("step_with_past", {}), v.get("prefill", {})
-        rows.append([name, spec.precision, spec.graph,
-                     f"{step.get('max_abs_diff', float('nan')):.2e}",
-                     f"{step.get('top1_agreement', float('nan')):.1%}",
-                     f"{step.get('kl_mean', float('nan')):.2e}",
-                     f"{pre.get('max_abs_diff', float('nan')):.2e}",
-                     str(v.get("passed", "not validated"))])
+
+        def cell(d: dict[str, Any], key: str, fmt: str) -> str:
+            return format(d[key], fmt) if key in d else "–"  # --no-validate: nothing measured
+
+        rows.append([name, spec.precision, spec.graph, cell(step, "max_abs_diff", ".2e"),
+                     cell(step, "top1_agreement", ".1%"), cell(step, "kl_mean", ".2e"),
+                     cell(pre, "max_abs_diff", ".2e"), str(v.get("passed", "not validated"))])
     print_table(new_table(f"pair written to {report.folder}",
                            ("model", "precision", "graph", "step max|Δ|", "step top-1",
                             "step KL", "prefill max|Δ|", "passed"), rows))

@@ -109,8 +109,14 @@ def test_a_device_or_pipe_as_the_model_is_named(runner: CliRunner, tmp_path: Pat
         clean_error(result, "not a regular file nor a folder")
 
 
-def test_weights_missing_from_the_checkpoint_are_named(runner: CliRunner, base: Path,
-                                                       tmp_path: Path) -> None:
+# Each way a folder's model is loaded: validation; ONNX Runtime GenAI's builder in its child
+# process (with --no-validate it used to write the random values transformers filled in, exit 0);
+# the torch export of the concat form.
+@pytest.mark.parametrize("options", [[], ["--no-validate"],
+                                     ["--no-validate", "--graph", "concat-standard"]],
+                         ids=["validated", "builder", "torch-export"])
+def test_weights_missing_from_the_checkpoint_are_named(base: Path, tmp_path: Path,
+                                                       options: list[str]) -> None:
     from safetensors.torch import load_file, save_file
 
     def drop(folder: Path) -> None:
@@ -120,7 +126,7 @@ def test_weights_missing_from_the_checkpoint_are_named(runner: CliRunner, base: 
 
     folder = _copy(base, tmp_path, drop)
     out = tmp_path / "out"
-    proc = run_cli(["export", folder, "-o", out, "--precision", "fp32"], timeout=300)
+    proc = run_cli(["export", folder, "-o", out, "--precision", "fp32", *options], timeout=300)
     line = one_error_line(proc, "the checkpoint lacks 1 weight(s)")
     assert "model.layers.0.mlp.down_proj.weight" in line and ".tmp-" not in line
     assert "LOAD REPORT" not in proc.stderr  # transformers' own table, without -v

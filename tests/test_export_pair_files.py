@@ -208,6 +208,7 @@ def test_export_without_precision_flags_writes_the_fast_cpu_pair(tmp_path: Path,
                                        "fp32", "--no-validate"])
     assert result.exit_code == 0, result.output
     assert "defaults for cpu" not in result.output
+    assert "nan" not in result.output and "not validated" in result.output  # no "nan%" cells
     manifest = json.loads((explicit / "specedge.json").read_text())
     assert "draft" not in manifest["models"] and manifest["defaults"]["drafter"] == "ngram"
 
