@@ -73,7 +73,8 @@ def main(verbose: int) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
               help="Pair folder to create.")
 @click.option("--draft", default=None, help="Draft source (HF folder, hub id or .gguf); "
-              "default: a self-draft of the target when --draft-precision is given.")
+              "default: a self-draft of the target when --draft-precision is given, or, on cpu "
+              "with no --precision, the int8-rtn self-draft of the fast CPU pair.")
 @click.option("--precision", default=None, type=click.Choice(PRECISIONS),
               help="Target precision [default: fp32].")
 @click.option("--draft-precision", default=None, type=click.Choice(PRECISIONS),

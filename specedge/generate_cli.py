@@ -200,7 +200,7 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
 @click.option("--batch", "batch_file", type=click.Path(path_type=Path), default=None,
               help="JSONL file, one row per line: {\"prompt\": ...} or {\"messages\": [...]}, "
                    "with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, "
-                   "stop. Generates all rows as one batch (needs a --graph concat pair).")
+                   "stop, chat. Generates all rows as one batch (needs a --graph concat pair).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text + stats).")
 @clean_errors

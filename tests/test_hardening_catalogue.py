@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -659,6 +660,17 @@ def test_catalogue_covers_every_class() -> None:
     classes = {c.cls for c in CASES}
     assert classes == {"security", "data loss", "leftovers", "crashes", "unclear"}
     assert len(CASES) >= 50
+    # The docs count the cases: the README's total and reliability.md's total and per class.
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert f"`tests/test_hardening_catalogue.py`, {len(CASES)} bad inputs" in readme
+    reliability = (root / "docs" / "results" / "reliability.md").read_text()
+    assert f"the catalogue ({len(CASES)} cases in five classes" in reliability
+    headings = {"security": "Security", "data loss": "Data loss", "leftovers": "Leftovers",
+                "crashes": "Crashes", "unclear": "Unclear or silently wrong"}
+    for cls, heading in headings.items():
+        count = sum(c.cls == cls for c in CASES)
+        assert re.search(rf"^### {heading}\b.*\({count}\b", reliability, re.M), (cls, count)
 
 
 # ----------------------------------------------------------------------------- fuzzing
