@@ -61,10 +61,11 @@ def fix_config(config: Any) -> Any:
     return config
 
 
-def main(argv: list[str]) -> None:
+def install_checks() -> None:
+    """Patch transformers in this (the builder's child) process: configs pass through
+    `fix_config`, and every model class's `from_pretrained` refuses a checkpoint that lacks
+    weights (`checkpoint.check_loading_info`: `ExportError`)."""
     from transformers import AutoConfig, PreTrainedModel
-
-    from specedge.runtime.errors import ExportError
 
     from .checkpoint import check_loading_info
 
@@ -74,16 +75,22 @@ def main(argv: list[str]) -> None:
     def config_from_pretrained(*args: Any, **kwargs: Any) -> Any:
         return fix_config(load_config(*args, **kwargs))
 
-    def model_from_pretrained(cls: Any, source: Any, *args: Any, **kwargs: Any) -> Any:
+    def model_from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
         # Every model class's loader, whichever the builder picks (AutoModelForCausalLM ends here).
         wanted = kwargs.pop("output_loading_info", False)
-        model, info = load_model(cls, source, *args, output_loading_info=True, **kwargs)
-        if isinstance(source, str | Path):
-            check_loading_info(source, info)
+        model, info = load_model(cls, *args, output_loading_info=True, **kwargs)
+        source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        check_loading_info(source if isinstance(source, str | Path) else cls.__name__, info)
         return (model, info) if wanted else model
 
     AutoConfig.from_pretrained = config_from_pretrained  # type: ignore[method-assign]
     PreTrainedModel.from_pretrained = classmethod(model_from_pretrained)  # type: ignore[assignment]
+
+
+def main(argv: list[str]) -> None:
+    from specedge.runtime.errors import ExportError
+
+    install_checks()
     sys.argv = ["onnxruntime_genai.models.builder", *argv]
     try:
         runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)

@@ -133,6 +133,49 @@ def test_weights_missing_from_the_checkpoint_are_named(base: Path, tmp_path: Pat
     assert not out.exists()
 
 
+def test_the_builders_loader_checks_every_way_it_is_called(base: Path, tmp_path: Path) -> None:
+    """`builder_shim.install_checks` in a child process, as the builder runs: a model class's
+    `from_pretrained` by keyword, by position and through the auto class all refuse a checkpoint
+    that lacks a weight; a complete one loads, with loading info when asked for."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    def drop(folder: Path) -> None:
+        weights = load_file(folder / "model.safetensors")
+        del weights["model.layers.1.self_attn.q_proj.weight"]
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+    broken = _copy(base, tmp_path, drop)
+    script = f"""
+from specedge.exporter.builder_shim import install_checks
+from specedge.runtime.errors import ExportError
+install_checks()
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+calls = [lambda: LlamaForCausalLM.from_pretrained(pretrained_model_name_or_path={str(broken)!r}),
+         lambda: LlamaForCausalLM.from_pretrained({str(broken)!r}),
+         lambda: AutoModelForCausalLM.from_pretrained({str(broken)!r})]
+for call in calls:
+    try:
+        call()
+        print("loaded")
+    except ExportError as exc:
+        print("refused:", exc)
+model, info = AutoModelForCausalLM.from_pretrained({str(base)!r}, output_loading_info=True)
+print("complete:", type(model).__name__, sorted(info))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=240, env=dict(os.environ, TRANSFORMERS_VERBOSITY="error"))
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    refused = [ln for ln in lines if ln.startswith("refused:")]
+    assert len(refused) == 3, lines
+    assert all("model.layers.1.self_attn.q_proj.weight" in ln for ln in refused)
+    assert any(ln.startswith("complete: LlamaForCausalLM") and "missing_keys" in ln
+               for ln in lines), lines
+
+
 def test_quantize_leaves_no_output_when_its_quality_check_fails(runner: CliRunner,
                                                                 tiny_pair_dir: Path,
                                                                 tmp_path: Path) -> None:
