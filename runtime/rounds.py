@@ -212,7 +212,10 @@ class RowOutput:
         """Text not handed out yet that no later token can change (stop-string prefixes and
         unfinished characters are held back until the row decides them)."""
         safe = len(self.text)
-        if self.stops and self.reason is None:
+        # A stop-string prefix stays held back until `finish`: after the last token, the
+        # detokenizer's flush (an unfinished character becomes U+FFFD) may still complete a stop
+        # string and cut the text before what a delta would have handed out.
+        if self.stops and self.reason != "stop" and not self._flushed:
             safe -= self.stops.holdback(self.text)
         if safe <= self._shown:
             return ""

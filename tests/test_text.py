@@ -306,6 +306,27 @@ def test_flush_emits_incomplete_character(tok: Tokenizer) -> None:
     assert detok.text == tok.decode(ids)
 
 
+@pytest.mark.parametrize("stop", ["x\ufffd", "\ufffd", "y"])
+def test_row_deltas_add_up_to_its_text_when_the_flush_ends_it(tok: Tokenizer, stop: str) -> None:
+    """A row whose last token leaves an unfinished character: the flush turns it into U+FFFD,
+    which may complete a stop string. The deltas handed out (as `Pair.stream` and the server
+    read them, each round and after `finish`) must add up to the final text; a delta used to
+    hand out "x" at the last token, then the flush cut the text to "" (found by fuzzing)."""
+    from specedge.runtime.rounds import RowOutput
+
+    ids = tok.encode("x😺")[:-1]  # drop the last byte of the emoji
+    out = RowOutput(len(ids), (), tokenizer=tok, stop=(stop,))
+    deltas = []
+    for t in ids:
+        out.push([t])
+        deltas.append(out.delta())
+    reason = out.finish()
+    deltas.append(out.delta())
+    assert "".join(deltas) == out.text
+    expected = {"x\ufffd": ("", "stop"), "\ufffd": ("x", "stop")}.get(stop)
+    assert (out.text, reason) == (expected or (tok.decode(ids), "max_new_tokens"))
+
+
 def test_push_many_and_text(tok: Tokenizer) -> None:
     ids = tok.encode("héllo 日本語 🙂 world")
     detok = IncrementalDetokenizer(tok)
