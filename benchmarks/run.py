@@ -227,6 +227,9 @@ def main() -> None:
     ap.add_argument("--llama-cpp-draft-k", type=int, default=3)
     ap.add_argument("--genai-first", action="store_true",
                     help="load ORT GenAI's models before specedge's (load order matters on VMs)")
+    ap.add_argument("--genai-ks", type=lambda v: [int(k) for k in v.split(",")], default=None,
+                    help="ORT GenAI's speculative K values at its best threads (default 2,3; "
+                         "--lean: 3); the huge-pages row uses the last")
     ap.add_argument("--lean", action="store_true",
                     help="only the configurations the bars compare: specedge target-only and "
                          "adaptive, ORT GenAI target-only and K=3 at its best threads; no sampled "
@@ -306,19 +309,19 @@ def main() -> None:
         "specedge adaptive (K≤6)": GenerationConfig(max_new_tokens=max_new, num_draft_tokens=6,
                                                    adaptive=True),
     }
-    genai_cfgs = [
-        ("ORT GenAI target-only, 2 threads", "genai_target_best", None),
-        ("ORT GenAI K=2, target 2 / draft 1 threads", "genai_spec_best", 2),
-        ("ORT GenAI K=3, target 2 / draft 1 threads", "genai_spec_best", 3),
-        ("ORT GenAI target-only, default threads", "genai_target_default", None),
-        ("ORT GenAI K=2, default threads", "genai_spec_default", 2),
-        ("ORT GenAI target-only, 2 threads, huge pages", "genai_target_best_huge", None),
-        ("ORT GenAI K=3, target 2 / draft 1 threads, huge pages", "genai_spec_best_huge", 3),
-    ]
+    genai_ks = args.genai_ks or ([3] if args.lean else [2, 3])
+    genai_cfgs = [("ORT GenAI target-only, 2 threads", "genai_target_best", None)]
+    genai_cfgs += [(f"ORT GenAI K={k}, target 2 / draft 1 threads", "genai_spec_best", k)
+                   for k in genai_ks]
+    if not args.lean:
+        genai_cfgs += [("ORT GenAI target-only, default threads", "genai_target_default", None),
+                       ("ORT GenAI K=2, default threads", "genai_spec_default", 2)]
+    genai_cfgs += [("ORT GenAI target-only, 2 threads, huge pages", "genai_target_best_huge", None),
+                   (f"ORT GenAI K={genai_ks[-1]}, target 2 / draft 1 threads, huge pages",
+                    "genai_spec_best_huge", genai_ks[-1])]
     if args.lean:
         for name in ("specedge K=2", "specedge K=3"):
             del ours_cfgs[name]
-        genai_cfgs = [genai_cfgs[i] for i in (0, 2, 5, 6)]
     genai_cfgs = [c for c in genai_cfgs if c[1].removesuffix("_huge") in folders]
     tally = Tally()
     # Warm-up: one generation per configuration.
@@ -470,7 +473,8 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
         cats[p.get("category", "?")] += 1
     command = (f"python benchmarks/run.py {args.pair} --max-new-tokens {args.max_new_tokens} "
                f"--hf-prompts {args.hf_prompts}" + (f" --limit {args.limit}" if args.limit else "")
-               + (" --lean" if args.lean else "") + (" --genai-first" if args.genai_first else ""))
+               + (" --lean" if args.lean else "") + (" --genai-first" if args.genai_first else "")
+               + (f" --genai-ks {','.join(map(str, args.genai_ks))}" if args.genai_ks else ""))
     if llama:
         command += (f" --llama-cpp --llama-cpp-ggufs {args.llama_cpp_ggufs}"
                     f" --llama-cpp-pages {args.llama_cpp_pages}")
@@ -486,7 +490,9 @@ def write_report(args: argparse.Namespace, prompts: list[dict[str, str]], tally:
         f"Python {platform.python_version()}, Linux {platform.release()}.",
         f"Pair: {args.pair} (SmolLM2-135M-Instruct, "
         + ", ".join(f"{name} {prec}" for name, prec in facts["pair"].items())
-        + ", written by ORT GenAI's own model builder, so ORT GenAI runs exactly these files).",
+        + "; ONNX files from ORT GenAI's own model builder, a quantized model being the "
+        "builder's graph through onnxruntime's quantizer, so ORT GenAI runs exactly these "
+        "files).",
         f"Prompts: {len(prompts)} from {args.prompts.name} ("
         + ", ".join(f"{c} {n}" for c, n in cats.items())
         + f"), chat template, up to {args.max_new_tokens} new tokens, batch 1.",
