@@ -53,3 +53,24 @@ def test_cpu_smoke_runs_every_phase(tmp_path: Path, fixtures_dir: Path) -> None:
     # and the host's greedy share of a call, which the predicted bar adds to each verify
     assert all({"host_1", "host_3"} <= set(r["costs"]) for r in shaped.values())
     assert "host's greedy work" in (tmp_path / "out" / "gpu_cpu_smoke.md").read_text()
+    # the acceptance a real draft would need for the B=8 bar, beside each prediction
+    assert "acceptance needed for 1.3x" in (tmp_path / "out" / "gpu_cpu_smoke.md").read_text()
+
+
+def test_the_acceptance_needed_for_the_batch_bar_reaches_it_exactly() -> None:
+    """`needed_acceptance` is the predicted speed-up solved for acceptance: put back into the
+    prediction, it gives the bar."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_report import BATCH_BAR, batch_predicted
+
+    costs = {"verify_1": 4.0e-3, "verify_3": 4.3e-3, "verify_4": 4.5e-3, "draft_step": 0.6e-3,
+             "host_1": 0.1e-3, "host_3": 0.2e-3, "host_4": 0.25e-3}
+    for k in (2, 3):
+        needed = batch_predicted({"batch-reference": {"rows": {"8": {f"K={k}": {
+            "acceptance": 0.5}}}}, "batch-x": {"rows": {"8": {"costs": costs}}}},
+            "x")[0]["acceptance_for_bar"]
+        again = batch_predicted({"batch-reference": {"rows": {"8": {f"K={k}": {
+            "acceptance": needed}}}}, "batch-x": {"rows": {"8": {"costs": costs}}}}, "x")[0]
+        assert 0 < needed < 1 and abs(again["predicted_speedup"] - BATCH_BAR) < 1e-12
