@@ -327,6 +327,38 @@ def test_row_deltas_add_up_to_its_text_when_the_flush_ends_it(tok: Tokenizer, st
     assert (out.text, reason) == (expected or (tok.decode(ids), "max_new_tokens"))
 
 
+@settings(HYPOTHESIS, max_examples=400)
+@given(data=st.data())
+def test_fuzz_row_deltas_add_up_to_its_text(tok: Tokenizer, data: st.DataObject) -> None:
+    """Any tokens (multi-byte characters split across byte tokens, endings in the middle of a
+    character), any budget, rounds of any size, stop strings cut from the text (U+FFFD
+    included): the deltas handed out each round and after `finish` add up to the final text,
+    which is a prefix of the whole text."""
+    from specedge.runtime.rounds import RowOutput
+
+    pool = sorted(set(tok.encode("a😺b 日曜 é x🙂 ok")))
+    ids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=12))
+    budget = data.draw(st.integers(1, len(ids)))
+    deltas, tail, _ = _stream(tok, ids[:budget])
+    whole = "".join(deltas) + tail  # the text of the tokens the budget keeps, flushed
+    stops = data.draw(st.lists(st.one_of(
+        st.tuples(st.integers(0, len(whole)), st.integers(1, 3)).map(
+            lambda t: whole[t[0]:t[0] + t[1]]).filter(bool),
+        st.sampled_from(["\ufffd", "x\ufffd", "b\ufffd"])), max_size=3))
+    out = RowOutput(budget, (), tokenizer=tok, stop=stops)
+    handed, pos = [], 0
+    while pos < len(ids) and not out.done:
+        size = data.draw(st.integers(1, 4))
+        out.push(ids[pos:pos + size])
+        pos += size
+        handed.append(out.delta())
+    out.finish()
+    handed.append(out.delta())
+    assert "".join(handed) == out.text
+    assert whole.startswith(out.text)
+    assert out.text == whole or out.reason == "stop"
+
+
 def test_push_many_and_text(tok: Tokenizer) -> None:
     ids = tok.encode("héllo 日本語 🙂 world")
     detok = IncrementalDetokenizer(tok)
