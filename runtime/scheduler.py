@@ -8,6 +8,10 @@ The HTTP layer submits jobs and reads their events; it never decodes. One worker
 - for gqa-shared pairs (batch 1 only, see README "Graph forms"), a FIFO of batch-1
   `Pair.stream` generations, one at a time.
 
+Before it takes requests, `warm_up` decodes a few tokens of a short prompt through the same
+engine (the server's lifespan does it before uvicorn listens): sessions, buffers and adaptive
+K's tuner are warm for the first request instead of costing it.
+
 Admission is bounded: at most `max_batch + max_queue` jobs are queued or running; one more is
 refused with `QueueFull` (the server answers 429 with its `retry_after`). Cancellation is a flag
 the worker reads before every round, so a cancelled job runs at most the round in flight.
@@ -49,6 +53,7 @@ class SchedulerOptions:
         request_timeout_s: a job still unfinished this long after submission is ended.
         max_context: prompt + generated tokens per job (also sizes the batch's KV cache).
         drafter, num_draft_tokens, adaptive: the decoding plan (None: the pair's defaults).
+        warmup_tokens: tokens `warm_up` decodes (0: none).
     """
 
     max_batch: int = 4
@@ -58,6 +63,7 @@ class SchedulerOptions:
     drafter: str | None = None
     num_draft_tokens: int | None = None
     adaptive: bool | None = None
+    warmup_tokens: int = 8
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,7 @@ _HELP = {
     "specedge_tokens_per_round": ("gauge", "Generated tokens per round, all requests."),
     "specedge_queue_depth": ("gauge", "Requests waiting for a slot."),
     "specedge_running": ("gauge", "Requests decoding now."),
+    "specedge_warmup_seconds": ("gauge", "How long the startup warm-up took (0: none)."),
     "specedge_time_to_first_token_seconds": ("histogram",
                                              "Submission to the first text sent."),
     "specedge_time_per_output_token_seconds": ("histogram",
@@ -241,6 +248,10 @@ class _BatchEngine:
         self.batch = self._new_batch()
         self.jobs: dict[int, Job] = {}
 
+    def warm_up(self, prompt: Prompt, config: GenerationConfig) -> None:
+        self.batch.submit(prompt, config)
+        self.batch.run()
+
     def _new_batch(self) -> ContinuousBatch:
         o = self.options
         return ContinuousBatch(self.pair, capacity=o.max_batch, max_len=o.max_context,
@@ -292,6 +303,9 @@ class _SerialEngine:
         self.fifo: deque[Job] = deque()
         self.current: Job | None = None
         self.stream: Any = None
+
+    def warm_up(self, prompt: Prompt, config: GenerationConfig) -> None:
+        self.pair.generate(prompt, config)
 
     @property
     def jobs(self) -> dict[int, Job]:
@@ -370,6 +384,8 @@ class Scheduler:
         self._mean_s = 1.0  # running mean of request durations, for Retry-After
         self._closing = False
         self._thread: threading.Thread | None = None
+        self.warmup_s = 0.0  # how long `warm_up` took (0: it did not run)
+        self._warmed = False
 
     # -------------------------------------------------------------- called from any thread
 
@@ -380,6 +396,37 @@ class Scheduler:
                 self._thread = threading.Thread(target=self._run, name="specedge-decoder",
                                                 daemon=True)
                 self._thread.start()
+
+    def warm_up(self) -> None:
+        """Decode `options.warmup_tokens` tokens of a short prompt ("Hello", as a user turn when
+        the pair has a chat template) with the server's plan, once, before the worker starts
+        (on the calling thread; the worker owns every decoding call after).
+
+        A prompt that does not fit the context is skipped with a warning; any other failure
+        raises: a pair that cannot decode should not start serving.
+        """
+        o = self.options
+        if not o.warmup_tokens or self._warmed or self._thread is not None:
+            return
+        self._warmed = True
+        prompt: Prompt = ([{"role": "user", "content": "Hello"}]
+                          if self.pair.tokenizer.has_chat_template else "Hello")
+        config = GenerationConfig(max_new_tokens=o.warmup_tokens, drafter=o.drafter,
+                                  num_draft_tokens=o.num_draft_tokens, adaptive=o.adaptive)
+        start = time.perf_counter()
+        room = self.context(config) - len(self.pair.encode_prompt(prompt))
+        if room < o.warmup_tokens:  # as a request would be refused
+            log.warning("warm-up skipped: %d tokens after its prompt exceed the context of "
+                        "%d tokens", o.warmup_tokens, self.context(config))
+            return
+        try:
+            self.engine.warm_up(prompt, config)
+        except InputError as exc:
+            log.warning("warm-up skipped: %s", exc)
+            self.engine.fail_all()  # whatever the refused request left behind
+            return
+        self.warmup_s = time.perf_counter() - start
+        log.info("warm-up: %d tokens in %.2f s", o.warmup_tokens, self.warmup_s)
 
     @property
     def alive(self) -> bool:

@@ -91,6 +91,8 @@ class ServerOptions:
             (`http_deadline.request_deadline_protocol`).
         request_timeout_s: a request still running after this long is ended (504).
         drafter, num_draft_tokens, adaptive: the decoding plan (None: the pair's defaults).
+        warmup_tokens: tokens decoded for a short prompt at startup, before the server listens
+            (0: none), so the first request does not pay for cold sessions and a cold tuner.
     """
 
     host: str = "127.0.0.1"
@@ -107,9 +109,11 @@ class ServerOptions:
     drafter: str | None = None
     num_draft_tokens: int | None = None
     adaptive: bool | None = None
+    warmup_tokens: int = 8
 
     def __post_init__(self) -> None:
         checks = [("port", self.port, 0, 65535), ("max_batch", self.max_batch, 1, 256),
+                  ("warmup_tokens", self.warmup_tokens, 0, 4096),
                   ("max_queue", self.max_queue, 0, 100_000),
                   ("max_tokens_limit", self.max_tokens_limit, 1, 1_000_000),
                   ("max_context", self.max_context, 2, 1_000_000),
@@ -131,7 +135,8 @@ class ServerOptions:
         return SchedulerOptions(max_batch=self.max_batch, max_queue=self.max_queue,
                                 request_timeout_s=self.request_timeout_s,
                                 max_context=self.max_context, drafter=self.drafter,
-                                num_draft_tokens=self.num_draft_tokens, adaptive=self.adaptive)
+                                num_draft_tokens=self.num_draft_tokens, adaptive=self.adaptive,
+                                warmup_tokens=self.warmup_tokens)
 
 
 @dataclass
@@ -179,6 +184,7 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await anyio.to_thread.run_sync(scheduler.warm_up)  # before uvicorn listens (once)
         scheduler.start()
         yield
         await anyio.to_thread.run_sync(scheduler.close)
@@ -332,7 +338,8 @@ async def _health(request: Request, state: _State) -> Response:
 
 async def _metrics(request: Request, state: _State) -> Response:
     text = state.metrics.render({"specedge_queue_depth": state.scheduler.queued,
-                                 "specedge_running": state.scheduler.running})
+                                 "specedge_running": state.scheduler.running,
+                                 "specedge_warmup_seconds": state.scheduler.warmup_s})
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -86,6 +86,9 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
                    "disconnected (a late body gets 408).")
 @click.option("--request-timeout", default=300.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Seconds per request.")
+@click.option("--warmup-tokens", default=8, show_default=True, type=click.IntRange(0, 4096),
+              help="Tokens decoded for a short prompt before listening, so the first request "
+                   "finds the sessions and adaptive K warm (0: no warm-up).")
 @click.option("--drafter", default=None, type=click.Choice(DRAFTER_CHOICES))
 @click.option("--num-draft-tokens", "-k", default=None, type=click.IntRange(1, 64),
               help="Draft length K (default: the pair's).")
@@ -103,7 +106,8 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
           max_batch: int, max_queue: int, max_tokens_limit: int, max_context: int,
-          max_body_bytes: int, receive_timeout: float, request_timeout: float, drafter: str | None,
+          max_body_bytes: int, receive_timeout: float, request_timeout: float,
+          warmup_tokens: int, drafter: str | None,
           num_draft_tokens: int | None, no_speculation: bool, adaptive: bool | None,
           providers: str, threads: str | None, no_verify: bool, head: str,
           log_level: str) -> None:
@@ -123,7 +127,13 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
         sys.exit(1)
     from specedge.cli_base import LoadOptions
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     %(message)s")
+    # specedge's own lines at --log-level, as uvicorn's look (the group's root handler, set for
+    # the other commands, shows warnings only: it hid the line that says where the server is)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    ours = logging.getLogger("specedge")
+    ours.handlers[:], ours.propagate = [handler], False
+    ours.setLevel(log_level.upper())
     try:
         _check_listen(host, port)
         options = ServerOptions(host=host, port=port, api_key=api_key, model_name=model_name,
@@ -132,10 +142,12 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
                                 max_body_bytes=max_body_bytes, receive_timeout_s=receive_timeout,
                                 request_timeout_s=request_timeout,
                                 drafter="none" if no_speculation else drafter,
-                                num_draft_tokens=num_draft_tokens, adaptive=adaptive)
+                                num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+                                warmup_tokens=warmup_tokens)
         loaded = LoadOptions(providers=providers, threads=threads, no_verify=no_verify,
                              head=head).load(pair)
         app = create_app(loaded, options)
+        app.state.scheduler.warm_up()  # here, so that a failure is one line, not a traceback
     except SpecEdgeError as exc:
         click.echo(f"error: {one_line(str(exc))}", err=True)
         sys.exit(1)
