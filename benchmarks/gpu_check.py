@@ -534,6 +534,43 @@ def check(plan: Plan) -> None:
             result["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         write_part(plan, "check", result)
     print(f"check: variants {json.dumps(result['variants'])}")
+    try:
+        result["prefix_cache"] = prefix_check(plan, info, ids)
+    except Exception as exc:  # reported, not fatal
+        result["prefix_cache"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    write_part(plan, "check", result)
+    print(f"check: prefix cache {json.dumps(result['prefix_cache'])}")
+
+
+def prefix_check(plan: Plan, info: PairInfo, ids: list[list[int]]) -> dict[str, Any]:
+    """A conversation (each prompt: the last one, its output and the next prompt) on a pair that
+    keeps prefixes against one that does not: the same tokens every turn (greedy, target-only
+    and K=3), and how many prompt tokens each turn reused."""
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    if plan.left() < 12:
+        return {"error": "no time left"}
+    warm = Pair.load(info.folder, providers=plan.provider, verify_hashes=False, prefix_cache=1)
+    cold = Pair.load(info.folder, providers=plan.provider, verify_hashes=False)
+    configs = [GenerationConfig(max_new_tokens=plan.check_new, drafter="none"),
+               GenerationConfig(max_new_tokens=plan.check_new, drafter="model",
+                                num_draft_tokens=3, adaptive=False)]
+    equal = turns = 0
+    reused: list[int] = []
+    seq: list[int] = []
+    for prompt in ids:
+        if plan.left() < 5 or len(seq) + len(prompt) + 2 * plan.check_new > 1500:
+            break
+        seq = seq + prompt
+        outs = []
+        for cfg in configs:
+            got, _, stats = warm.generate_ids(seq, cfg)
+            equal += got == cold.generate_ids(seq, cfg)[0]
+            reused.append(stats.cached_tokens)
+            outs.append(got)
+        turns += 1
+        seq = seq + outs[0]
+    return {"equal": equal, "generations": 2 * turns, "turns": turns, "reused": reused}
 
 
 def all_logits(pair: Any, seq: list[int]) -> Any:

@@ -106,6 +106,14 @@ def bars(data: dict[str, Any]) -> list[dict[str, Any]]:
                                     != v["prompts"] else "")) if ok else v["error"][:200],
                     "passed": (v["K=3"] == v["prompts"] == v.get("of", v["prompts"]))
                     if ok else None})
+    prefix = check.get("prefix_cache")
+    if prefix:
+        ok = "error" not in prefix
+        out.append({"bar": "prefix cache: a conversation decodes as from empty caches",
+                    "measured": (f"{prefix['equal']}/{prefix['generations']} generations equal "
+                                 f"over {prefix['turns']} turns; prompt tokens reused "
+                                 f"{prefix['reused']}") if ok else prefix["error"][:200],
+                    "passed": prefix["equal"] == prefix["generations"] if ok else None})
     return out + batch_bars(data)
 
 

@@ -261,6 +261,11 @@ class OrtModel(BatchRows):
             raise self._not_finite()
         return logits
 
+    def feed(self, cache: KVCache, tokens: np.ndarray) -> None:
+        """As `forward`, for the keys and values only: no logits leave the run (a prefill's
+        earlier chunks)."""
+        self._step(cache, tokens)
+
     def forward_argmax(self, cache: KVCache, tokens: np.ndarray, *, last: bool = False
                        ) -> np.ndarray:
         """As `forward`, but return only the argmax of each position's logits: ids

@@ -27,6 +27,7 @@ import numpy as np
 from .backend import OrtModel
 from .costs import CostTable
 from .kvcache import KVCache
+from .prefix_cache import feed
 from .rounds import RowSampler, fed_prefix
 
 
@@ -70,10 +71,13 @@ class ModelDrafter:
     `len(tokens) - 1`; `propose` feeds the missing tail (catch-up) then one token per step.
     """
 
-    def __init__(self, model: OrtModel, cache: KVCache, p_min: float = 0.0) -> None:
+    def __init__(self, model: OrtModel, cache: KVCache, p_min: float = 0.0,
+                 fed: Sequence[int] = ()) -> None:
+        """`fed`: the tokens whose keys and values `cache` already holds (a reused prefix)."""
         self.model, self.cache, self.p_min = model, cache, p_min
-        self.fed: list[int] = []  # the tokens whose keys/values are in the cache
-        self.stable = 0  # fed[:stable] equals the committed tokens
+        self.fed: list[int] = list(fed)  # the tokens whose keys/values are in the cache
+        self.stable = len(self.fed)  # fed[:stable] equals the committed tokens
+        assert int(cache.lengths[0]) == len(self.fed), "the cache holds exactly `fed`"
 
     def propose(self, tokens: list[int], k: int, sampler: RowSampler, position: int,
                 k_free: int = 0) -> Proposal:
@@ -119,8 +123,9 @@ class ModelDrafter:
 
     def prefill(self, tokens: list[int]) -> None:
         """Feed all but the last committed token, so the first round drafts at once."""
-        if len(tokens) > 1 and not self.fed:
-            self.model.forward(self.cache, np.asarray([tokens[:-1]], np.int64))
+        if len(tokens) > 1 and len(self.fed) < len(tokens) - 1:
+            assert self.fed == tokens[:len(self.fed)], "a reused prefix of these tokens"
+            feed(self.model, self.cache, tokens[:-1])
             self.fed = list(tokens[:-1])
 
     def catch_up(self, tokens: list[int]) -> int:
@@ -524,15 +529,26 @@ def new_tuner(drafter: str, k_max: int) -> AdaptiveK:
     return AdaptiveK(k_max, draft_step=0.0 if drafter == "ngram" else None)
 
 
+def draft_model_cache(drafter: Drafter | None) -> KVCache | None:
+    """The draft model's cache of a batch-1 drafter (None for n-gram drafting or none)."""
+    if isinstance(drafter, HybridDrafter):
+        return drafter.model.cache
+    return drafter.cache if isinstance(drafter, ModelDrafter) else None
+
+
 def build_drafter(drafter: str, model: OrtModel | None, max_len: int,
-                  p_min: float = 0.0) -> Drafter | None:
+                  p_min: float = 0.0, *, cache: KVCache | None = None,
+                  fed: Sequence[int] = ()) -> Drafter | None:
     """The batch-1 drafter for a plan's drafter name (None: target only); `p_min` is the
-    draft model's confidence cut-off."""
+    draft model's confidence cut-off. `cache`: the draft model's cache to use (a reused one
+    holding `fed`); None allocates one of `max_len`."""
     if drafter == "none":
         return None
     ngram = ngram_for(drafter)
     if drafter == "ngram":
         return ngram
     assert model is not None, "the plan checked that a draft model is loaded"
-    own = ModelDrafter(model, model.new_cache(1, max_len), p_min)
+    if cache is None:
+        cache, fed = model.new_cache(1, max_len), ()
+    own = ModelDrafter(model, cache, p_min, fed)
     return own if ngram is None else HybridDrafter(own, ngram)

@@ -317,11 +317,13 @@ def finish_reason(stop_reason: str) -> str:
 
 
 def usage(result: GenerationResult) -> dict[str, Any]:
-    """Token counts, plus specedge's speculation statistics under "specedge"."""
+    """Token counts (with the prompt tokens a kept prefix held, as OpenAI reports cached
+    ones), plus specedge's speculation statistics under "specedge"."""
     stats = result.stats
     prompt, completion = len(result.prompt_tokens), len(result.tokens)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
             "specedge": {"acceptance_rate": round(stats.acceptance_rate, 4),
                          "tokens_per_round": round(stats.mean_accepted_length, 4),
                          "proposed": stats.proposed, "accepted": stats.accepted,

@@ -29,12 +29,13 @@ import numpy as np
 from .backend import OrtModel
 from .batch import BatchStats, RowRequest, decode_batch
 from .detokenize import StopStrings
-from .drafters import AdaptiveK, build_drafter, new_tuner
+from .drafters import AdaptiveK, build_drafter, draft_model_cache, new_tuner
 from .engines import EngineChoice, choose_engine, machine_key
 from .errors import InputError, ModelError
 from .hugepages import HugePageLoad, HugePageReport
 from .manifest import ModelSpec, PairManifest, engine_files_ready, load_manifest
-from .policy import DRAFTER_CHOICES, DecodePlan, resolve_plan
+from .policy import DRAFTER_CHOICES, MODEL_DRAFTERS, DecodePlan, resolve_plan
+from .prefix_cache import Entry, PrefixCache, cache_capacity, kept_prefix
 from .rounds import RowOutput, RowSampler
 from .sampling import SamplingParams
 from .sessions import SessionConfig, physical_cores
@@ -269,9 +270,12 @@ class Pair:
     """A loaded pair folder: target (+ draft) sessions, tokenizer and manifest."""
 
     def __init__(self, manifest: PairManifest, tokenizer: Tokenizer, target: OrtModel,
-                 draft: OrtModel | None) -> None:
+                 draft: OrtModel | None, prefix_cache: int = 0) -> None:
         self.manifest, self.tokenizer, self.target, self.draft = (manifest, tokenizer, target,
                                                                   draft)
+        # The caches of finished batch-1 generations, for prompts that start alike (see
+        # `runtime/prefix_cache`; size 0 keeps none).
+        self.prefixes = PrefixCache(prefix_cache)
         # Adaptive-K state learned by generations, per (batch size, drafter, k max): the next
         # such generation starts from what this device measured instead of from a prior.
         self._tuners: dict[tuple[int, str, int], AdaptiveK] = {}
@@ -292,7 +296,8 @@ class Pair:
              plan: ThreadPlan | None = None, verify_hashes: bool = True,
              load_draft: bool = True, cuda_graph: bool = False,
              device_argmax: bool | None = None, huge_pages: bool | None = None,
-             two_row_steps: bool | None = None, split_head: bool = True) -> Pair:
+             two_row_steps: bool | None = None, split_head: bool = True,
+             prefix_cache: int = 0) -> Pair:
         """Load a pair folder written by `specedge export`.
 
         Args:
@@ -317,6 +322,10 @@ class Pair:
             split_head: where the exporter split a model's head off (manifest `head`), greedy
                 argmaxes on the CPU read its int8 copy and compute only the candidates its
                 bound leaves exactly (`runtime/shortlist`); False runs the whole graph.
+            prefix_cache: keep the caches of this many finished generations (0: none), so that
+                a prompt starting with an earlier prompt's tokens (a chat's next turn)
+                prefills only the rest; the output is the same token for token
+                (`runtime/prefix_cache`). Each kept generation holds its KV caches' memory.
 
         Raises:
             ManifestError: missing, malformed, tampered or unsafe pair folder.
@@ -326,6 +335,9 @@ class Pair:
         if not isinstance(path, str | os.PathLike):
             raise InputError(f"Pair.load takes the pair folder's path, got "
                              f"{type(path).__name__}")
+        if isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or \
+                not 0 <= prefix_cache <= 64:
+            raise InputError(f"prefix_cache must be an integer in [0, 64], got {prefix_cache!r}")
         if plan is not None and not isinstance(plan, ThreadPlan):
             raise InputError(f"plan must be a ThreadPlan (or None), got {type(plan).__name__}")
         manifest = load_manifest(path, verify_hashes=verify_hashes)
@@ -380,7 +392,7 @@ class Pair:
                 (log.info if probe.blocks_agree else log.warning)("target: %s", probe.describe())
             two_row_steps = probe is not None and probe.needs_two_rows
         target.two_row_steps = two_row_steps
-        pair = cls(manifest, tokenizer, target, draft)
+        pair = cls(manifest, tokenizer, target, draft, prefix_cache)
         pair.engine_notes = notes
         pair.huge_pages = pages.report
         pair._pages = pages
@@ -470,21 +482,56 @@ class Pair:
         plan.check_prompt(len(ids))
         max_len = plan.cache_len(len(ids), config.max_new_tokens)
         stats.prompt_tokens = len(ids)
-        drafter = build_drafter(plan.drafter, self.draft, max_len, plan.draft_p_min)
-        cache = self.target.new_cache(1, max_len)
+        entry, reused = None, 0
+        if self.prefixes.size:
+            max_len = cache_capacity(max_len, plan.limit)
+            entry, reused = self.prefixes.take(ids, max_len)
+        model_drafter = plan.drafter in MODEL_DRAFTERS and self.draft is not None
+        draft_cache = entry.draft if entry is not None and model_drafter else None
+        if draft_cache is not None:
+            draft_cache.rollback(reused)
+        drafter = build_drafter(plan.drafter, self.draft, max_len, plan.draft_p_min,
+                                cache=draft_cache, fed=ids[:reused])
+        if entry is not None:
+            cache = entry.target
+            cache.rollback(reused)
+        else:
+            cache = self.target.new_cache(1, max_len)
+        stats.cached_tokens = reused
         sampler = RowSampler(config.sampling, self.target.spec.vocab_size)
         key = (1, plan.drafter, plan.k)
         tuner = self._take_tuner(key, plan) if drafter is not None else None
-        return self._learning(decode(self.target, cache, drafter, ids, plan, sampler, output,
-                                     stats, tuner=tuner), key, tuner)
+        rounds = decode(self.target, cache, drafter, ids, plan, sampler, output, stats,
+                        tuner=tuner)
+        kept = (Entry(kept_prefix(ids), max_len, cache, draft_model_cache(drafter))
+                if self.prefixes.size else None)
+        return self._learning(rounds, key, tuner, kept)
 
     def _learning(self, rounds: Generator[list[int], None, str], key: tuple[int, str, int],
-                  tuner: AdaptiveK | None) -> Generator[list[int], None, str]:
+                  tuner: AdaptiveK | None, kept: Entry | None = None
+                  ) -> Generator[list[int], None, str]:
         """`rounds`, keeping what its tuner learned once the generation ends (an abandoned
-        stream keeps nothing)."""
-        reason = yield from rounds
+        stream keeps nothing), and its caches for the next prompt that starts alike (`kept`;
+        also when the stream is abandoned once the prefill is done, not after a failure)."""
+        prefilled = False
+        try:
+            while True:
+                try:
+                    tokens = next(rounds)
+                except StopIteration as done:
+                    reason: str = done.value
+                    break
+                prefilled = True
+                yield tokens
+        except GeneratorExit:
+            rounds.close()
+            if prefilled and kept is not None:
+                self.prefixes.put(kept)
+            raise
         self._keep_tuner(key, tuner)
         self._settle_pages()
+        if kept is not None:
+            self.prefixes.put(kept)
         return reason
 
     def stream_tokens(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None,

@@ -126,6 +126,8 @@ _HELP = {
     "specedge_generations_total": ("counter", "Finished generations by finish reason."),
     "specedge_rejected_total": ("counter", "Requests refused because the queue was full."),
     "specedge_prompt_tokens_total": ("counter", "Prompt tokens of finished generations."),
+    "specedge_prompt_tokens_cached_total": ("counter", "Prompt tokens a kept prefix held "
+                                            "(not prefilled again)."),
     "specedge_completion_tokens_total": ("counter", "Generated tokens."),
     "specedge_draft_tokens_proposed_total": ("counter", "Draft tokens proposed."),
     "specedge_draft_tokens_accepted_total": ("counter", "Draft tokens accepted."),
@@ -557,6 +559,7 @@ class Scheduler:
         stats = result.stats
         m.inc("specedge_generations_total", reason=result.stop_reason)
         m.inc("specedge_prompt_tokens_total", len(result.prompt_tokens))
+        m.inc("specedge_prompt_tokens_cached_total", stats.cached_tokens)
         m.inc("specedge_completion_tokens_total", len(result.tokens))
         m.inc("specedge_draft_tokens_proposed_total", stats.proposed)
         m.inc("specedge_draft_tokens_accepted_total", stats.accepted)

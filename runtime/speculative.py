@@ -17,6 +17,7 @@ from .backend import OrtModel
 from .drafters import AdaptiveK, Drafter, new_tuner
 from .kvcache import KVCache
 from .policy import DecodePlan
+from .prefix_cache import prefill
 from .rounds import RowOutput, RowSampler, draft_budget, tuned_round
 from .stats import GenerationStats
 
@@ -37,14 +38,14 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
     tokens = list(prompt)
     limit = min(plan.limit, target_cache.max_len)
     t0 = time.perf_counter()
-    # The prefill's last logits give the first token: no extra target call for it.
-    prompt_block = np.asarray([tokens], np.int64)
+    # The prefill's last logits give the first token: no extra target call for it. It feeds
+    # the prompt after what the cache holds (a prefix reused from an earlier generation).
     if sampler.greedy:
-        first = sampler.verify_ids(np.zeros(0, np.int64),
-                                   target.forward_argmax(target_cache, prompt_block, last=True)[0])
+        first = sampler.verify_ids(_NO_DRAFTS, prefill(target, target_cache, tokens,
+                                                       argmax=True))
     else:
-        logits = target.forward(target_cache, prompt_block)[0, -1:]  # [1, vocab]
-        first = sampler.verify(np.zeros(0, np.int64), None, logits, 0)
+        logits = prefill(target, target_cache, tokens, argmax=False)  # [1, vocab]
+        first = sampler.verify(_NO_DRAFTS, None, logits, 0)
     tokens.extend(int(t) for t in first)
     # Invariant: the target cache (and the draft's, after catch-up) holds exactly the committed
     # tokens but the last one, which is fed again at the start of the next round.

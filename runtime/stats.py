@@ -19,6 +19,7 @@ class GenerationStats:
     """
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens a reused prefix held (not prefilled again)
     new_tokens: int = 0
     rounds: int = 0
     proposed: int = 0

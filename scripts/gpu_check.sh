@@ -110,7 +110,7 @@ elif [ $MODE = gpu ]; then
 else
   run_phase env 20
   run_phase build 60
-  run_phase check 30
+  run_phase check 36
   run_phase bench 40
   run_phase batch 30
   run_phase hf 20

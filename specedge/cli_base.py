@@ -224,13 +224,14 @@ def _apply(fn: F, options: Iterable[Callable[[F], F]]) -> F:
 
 def _collect(name: str, cls: type, options: list[Callable[[F], F]]) -> Callable[[F], F]:
     """A decorator adding `options` to a command and handing it their values as one `cls`
-    instance in the keyword argument `name` (the option names are `cls`'s fields)."""
+    instance in the keyword argument `name` (the option names are `cls`'s fields; a field no
+    option of the command sets keeps its default, and a command may add an option for one)."""
     fields = [f.name for f in dataclasses.fields(cls)]
 
     def decorator(fn: F) -> F:
         @wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            values = {f: kwargs.pop(f) for f in fields}
+            values = {f: kwargs.pop(f) for f in fields if f in kwargs}
             return fn(*args, **kwargs, **{name: cls(**values)})
 
         return _apply(cast(F, wrapper), options)
@@ -271,6 +272,7 @@ class LoadOptions:
     argmax: str = "auto"
     row_steps: str = "auto"
     head: str = "split"
+    prefix_cache: int = 0  # `chat` and `serve`: finished generations whose caches are kept
 
     def load(self, pair: Path) -> Pair:
         """Load `pair` with these providers and threads.
@@ -305,8 +307,13 @@ class LoadOptions:
                          verify_hashes=not self.no_verify, cuda_graph=self.cuda_graph,
                          device_argmax={"auto": None, "device": True, "host": False}[self.argmax],
                          two_row_steps={"auto": None, "two": True, "one": False}[self.row_steps],
-                         split_head=self.head == "split")
+                         split_head=self.head == "split", prefix_cache=self.prefix_cache)
 
+
+PREFIX_CACHE_HELP = ("Keep the KV caches of this many finished generations, so that a prompt "
+                     "that starts like an earlier one (the next turn of a conversation) "
+                     "prefills only the new tokens; the output is the same token for token "
+                     "(0: keep none; each costs its caches' memory).")
 
 load_options = _collect("load", LoadOptions, [
     click.option("--providers", default="cpu", show_default=True,

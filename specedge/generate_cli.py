@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from specedge.cli_base import (
+    PREFIX_CACHE_HELP,
     GenerationOptions,
     LoadOptions,
     clean_errors,
@@ -33,6 +34,7 @@ def _print_stats(result: GenerationResult) -> None:
     rows = [
         ("stop reason", result.stop_reason),
         ("prompt / new tokens", f"{s.prompt_tokens} / {s.new_tokens}"),
+        ("prompt tokens reused (prefix cache)", str(s.cached_tokens)),
         ("rounds", str(s.rounds)),
         ("proposed / accepted drafts", f"{s.proposed} / {s.accepted}"),
         ("acceptance rate", f"{s.acceptance_rate:.1%}"),
@@ -232,6 +234,8 @@ def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load
 @load_options
 @click.option("--system", default=None, help="System message.")
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics after each reply.")
+@click.option("--prefix-cache", default=1, show_default=True, type=click.IntRange(0, 64),
+              help=PREFIX_CACHE_HELP)  # a LoadOptions field: it arrives in `load`
 @clean_errors
 def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: str | None,
          show_stats: bool) -> None:
@@ -248,7 +252,7 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
     if system is not None:
         check_text(system, "--system")
     config = generation.config(False)
-    loaded = load.load(pair)
+    loaded = load.load(pair)  # with --prefix-cache (chat's own option)
     if hasattr(sys.stdin, "reconfigure"):
         # Undecodable input becomes lone surrogates, refused per turn, instead of ending the
         # chat with a UnicodeDecodeError.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from specedge.cli_base import one_line
+from specedge.cli_base import PREFIX_CACHE_HELP, one_line
 from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.policy import DRAFTER_CHOICES
 
@@ -102,6 +102,8 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
 @click.option("--head", default="split", show_default=True, type=click.Choice(["split", "whole"]),
               help="split: greedy argmaxes from the int8 shortlist where the head is split off "
                    "(CPU; faster, more memory); whole: the whole graph (less memory).")
+@click.option("--prefix-cache", default=1, show_default=True, type=click.IntRange(0, 64),
+              help=PREFIX_CACHE_HELP + " gqa-shared pairs (batch-1 FIFO) only.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
@@ -110,7 +112,7 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
           warmup_tokens: int, drafter: str | None,
           num_draft_tokens: int | None, no_speculation: bool, adaptive: bool | None,
           providers: str, threads: str | None, no_verify: bool, head: str,
-          log_level: str) -> None:
+          prefix_cache: int, log_level: str) -> None:
     """Serve PAIR with an OpenAI-compatible API (chat, completions, streaming).
 
     Concat-form pairs decode requests in one continuously batched speculative loop; gqa-shared
@@ -145,7 +147,7 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
                                 num_draft_tokens=num_draft_tokens, adaptive=adaptive,
                                 warmup_tokens=warmup_tokens)
         loaded = LoadOptions(providers=providers, threads=threads, no_verify=no_verify,
-                             head=head).load(pair)
+                             head=head, prefix_cache=prefix_cache).load(pair)
         app = create_app(loaded, options)
         app.state.scheduler.warm_up()  # here, so that a failure is one line, not a traceback
     except SpecEdgeError as exc:
