@@ -1022,7 +1022,7 @@ def graphed_draft(plan: Plan, pair: Any) -> Any:
     """The pair's draft loaded again with CUDA graphs (on the CPU smoke: fixed buffers, the same
     steps without the capture), where it is gqa-shared: its batched steps, one token per row
     over the whole cache, replay a captured graph. None for a concat-form draft."""
-    from specedge.runtime.pair import load_model
+    from specedge.runtime.loading import load_model
 
     spec = pair.manifest.draft
     if spec is None or spec.graph != "gqa-shared":

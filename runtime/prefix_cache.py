@@ -95,6 +95,21 @@ def prefill(model: OrtModel, cache: KVCache, ids: Sequence[int], *, argmax: bool
     return model.forward(cache, block)[0, -1:]
 
 
+def extend(entry: Entry, skip: int, ids: Sequence[int], models: Sequence[OrtModel | None]
+           ) -> None:
+    """Make `entry` hold the whole chunks of `ids` (up to its capacity), of which it holds the
+    first `skip` tokens: both caches (`models`: the target's and the draft's) roll back to
+    `skip` and are fed the rest in `prefill_chunks`, the calls a cold prefill of `ids` makes."""
+    end = min(len(ids), entry.capacity) // PREFILL_CHUNK * PREFILL_CHUNK
+    if end <= skip:
+        return
+    for model, cache in zip(models, (entry.target, entry.draft), strict=True):
+        if model is not None and cache is not None:
+            cache.rollback(skip)
+            feed(model, cache, ids[:end])
+    entry.ids = tuple(ids[:end])
+
+
 def feed(model: OrtModel, cache: KVCache, ids: Sequence[int]) -> None:
     """Feed `ids` after the cache's valid prefix in `prefill_chunks`; no logits are used (a
     draft's prefill)."""
@@ -127,13 +142,13 @@ class PrefixCache:
         self._entries: list[Entry] = []
         self._lock = threading.Lock()
 
-    def take(self, prompt: Sequence[int], capacity: int) -> tuple[Entry | None, int]:
-        """The entry of `capacity` that lets `prompt` skip the most tokens (removed from the
-        cache), and how many it skips; (None, 0) when none skips any."""
+    def take(self, prompt: Sequence[int], capacity: int | None) -> tuple[Entry | None, int]:
+        """The entry of `capacity` (None: any) that lets `prompt` skip the most tokens
+        (removed from the cache), and how many it skips; (None, 0) when none skips any."""
         with self._lock:
             best, best_n = None, 0
             for entry in self._entries:
-                n = reusable(entry.ids, prompt) if entry.capacity == capacity else 0
+                n = reusable(entry.ids, prompt) if capacity in (None, entry.capacity) else 0
                 if n > best_n:
                     best, best_n = entry, n
             if best is not None:

@@ -11,7 +11,7 @@ construction:
   target's warped distribution and the same seed gives the same text for every K, drafter and
   batch composition: the draft samples with the same noise and the target's choice is checked
   greedily. Unseeded sampling uses the rejection rule of Leviathan et al. 2023 / Chen et al. 2023
-  (`sampling.accept_sample`), which accepts most often.
+  (`acceptance.accept_sample`), which accepts most often.
 - `RowOutput`: the eos / token budget / stop-string cut, applied token by token, so the result
   (text, tokens, reason) is what target-only decoding gives, whatever K and drafter.
 - `fed_prefix`: how much of a draft cache survives a commit (rollback by length).
@@ -23,16 +23,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .acceptance import accept_greedy, accept_greedy_ids, accept_sample, sample_token
 from .detokenize import IncrementalDetokenizer, StopStrings
 from .policy import DecodePlan
-from .sampling import (
-    SamplingParams,
-    accept_greedy,
-    accept_greedy_ids,
-    accept_sample,
-    sample_token,
-    warp_probs,
-)
+from .sampling import SamplingParams, warp_probs
 from .text import Tokenizer
 
 __all__ = ["RowOutput", "RowSampler", "fed_prefix"]

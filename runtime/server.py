@@ -36,6 +36,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import InputError, SpecEdgeError
+from .metrics import Metrics
 from .openai_api import (
     SSE_DONE,
     APIError,
@@ -54,7 +55,6 @@ from .scheduler import (
     Failed,
     Finished,
     Job,
-    Metrics,
     QueueFull,
     Scheduler,
     SchedulerOptions,

@@ -278,6 +278,10 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
         turns = kept + [{"role": "assistant", "content": result.text}]
         if show_stats:
             _print_stats(result)
+        try:  # while the user reads: the next turn starts with this prompt and reply
+            loaded.prefill_ahead(result.prompt_tokens + result.tokens)
+        except SpecEdgeError as exc:
+            click.echo(f"error: {one_line(str(exc))}", err=True)
 
 
 def _fit_context(loaded: Pair, head: list[dict[str, str]], turns: list[dict[str, str]],

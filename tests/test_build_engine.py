@@ -48,6 +48,7 @@ from specedge.runtime.engines import (
 )
 from specedge.runtime.errors import ExportError, InputError, ManifestError
 from specedge.runtime.files import sha256_file
+from specedge.runtime.loading import engine_choice, load_model
 from specedge.runtime.manifest import (
     MANIFEST_NAME,
     PairManifest,
@@ -56,7 +57,7 @@ from specedge.runtime.manifest import (
     parse_manifest,
     write_manifest,
 )
-from specedge.runtime.pair import GenerationConfig, Pair, engine_choice, load_model
+from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.sessions import SessionConfig
 
@@ -465,9 +466,9 @@ def test_engine_files_missing_falls_back(concat_pair: Path, monkeypatch: pytest.
     """Where the key matches but the engine files were not copied: the ONNX model, one line."""
     manifest = with_engine(concat_pair)
     shutil.rmtree(concat_pair / "engines")
-    from specedge.runtime import pair as pair_module
+    from specedge.runtime import loading
 
-    monkeypatch.setattr(pair_module, "machine_key", lambda device=0: (KEY, None))
+    monkeypatch.setattr(loading, "machine_key", lambda device=0: (KEY, None))
     monkeypatch.setattr(ort, "get_available_providers",
                         lambda: [TENSORRT_EP, "CPUExecutionProvider"])
     choice = engine_choice(manifest, "target", SessionConfig(provider="tensorrt"))

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from specedge.runtime import backend
+from specedge.runtime.acceptance import accept_greedy, accept_greedy_ids
 from specedge.runtime.backend import OrtModel
 from specedge.runtime.errors import InputError, ModelError
 from specedge.runtime.greedy_head import GreedyHead
 from specedge.runtime.kvcache import GRAPH_WARMUP_RUNS, MAX_FIXED_WIDTH
 from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
-from specedge.runtime.sampling import SamplingParams, accept_greedy, accept_greedy_ids
+from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.sessions import (
     NO_GRAPH,
     SessionConfig,

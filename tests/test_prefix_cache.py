@@ -150,8 +150,13 @@ def test_a_warm_prefill_makes_the_cold_prefills_last_calls(tiny_pair_dir: Path,
     warm = Pair.load(tiny_pair_dir, prefix_cache=1)
     earlier = np.random.default_rng(5).integers(0, 300, 3 * C + 40).tolist()
     for prompt in (earlier[:2 * C + 10] + [1], earlier[:2 * C + 11], earlier[:2 * C] + [2] * 5,
-                   earlier + [3] * 50, earlier[:C + 3]):
-        warm.generate_ids(earlier, GenerationConfig(max_new_tokens=1, drafter="none"))
+                   earlier + [3] * 50, earlier[:C + 3], earlier[:2 * C + 30] + [4] * 150):
+        if len(prompt) == 2 * C + 180:  # an earlier prompt of 2C + 30, then 3C + 5 ahead
+            warm.generate_ids(prompt[:2 * C + 30], GenerationConfig(max_new_tokens=1,
+                                                                    drafter="none"))
+            assert warm.prefill_ahead(prompt[:3 * C + 5]) == 3 * C
+        else:
+            warm.generate_ids(earlier, GenerationConfig(max_new_tokens=1, drafter="none"))
         cold_calls, warm_calls = _prefill_calls(tiny_pair, prompt), _prefill_calls(warm, prompt)
         reused = warm_calls[0][0]
         assert reused > 0 and reused % C == 0, (len(prompt), warm_calls)
@@ -163,28 +168,47 @@ CONFIGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=0.9,
 
 
 def _conversation(warm: Pair, cold: Pair, first: list[int], config: GenerationConfig,
-                  turns: int = 4) -> list[int]:
-    """Each turn's prompt is the last prompt, its output and a few new tokens; asserts that
-    every turn gives the cold pair's tokens; returns the prompt tokens each turn reused."""
+                  turns: int = 4, ahead: bool = False) -> list[int]:
+    """Each turn's prompt is the last prompt, its output and a few new tokens (with `ahead`,
+    the last prompt and output are prefilled ahead between turns); asserts that every turn
+    gives the cold pair's tokens; returns the prompt tokens each turn reused."""
     rng = np.random.default_rng(len(first))
-    prompt, reused = list(first), []
+    prompt, reused, held = list(first), [], 0
     for _ in range(turns):
         got, reason, stats = warm.generate_ids(prompt, config)
         assert (got, reason) == cold.generate_ids(prompt, config)[:2]
         reused.append(stats.cached_tokens)
+        assert not ahead or stats.cached_tokens == held  # all that was prefilled ahead
+        if ahead:
+            held = warm.prefill_ahead(prompt + got)
+            assert held == len(prompt + got) // C * C
         prompt = prompt + got + rng.integers(0, 300, 12).tolist()
     return reused
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
 @pytest.mark.parametrize("sampling", list(CONFIGS))
 @pytest.mark.parametrize("drafter", ["none", "model", "hybrid", "ngram"])
 def test_a_conversation_decodes_as_from_empty_caches(tiny_pair_dir: Path, tiny_pair: Pair,
-                                                     drafter: str, sampling: str) -> None:
+                                                     drafter: str, sampling: str,
+                                                     ahead: bool) -> None:
     warm = Pair.load(tiny_pair_dir, prefix_cache=1)
     config = GenerationConfig(max_new_tokens=24, drafter=drafter, sampling=CONFIGS[sampling])
     first = np.random.default_rng(1).integers(0, 300, 2 * C + 12).tolist()  # one cache length
-    reused = _conversation(warm, tiny_pair, first, config)
+    reused = _conversation(warm, tiny_pair, first, config, ahead=ahead)
     assert reused[0] == 0 and all(n >= C for n in reused[1:])
+
+
+def test_prefill_ahead_needs_a_kept_cache(tiny_pair_dir: Path, tiny_pair: Pair) -> None:
+    ids = [i % 300 for i in range(3 * C)]
+    assert tiny_pair.prefill_ahead(ids) == 0  # no prefix caching
+    warm = Pair.load(tiny_pair_dir, prefix_cache=1)
+    assert warm.prefill_ahead(ids) == 0  # nothing kept yet
+    warm.generate_ids(ids[:C + 5], GenerationConfig(max_new_tokens=2, drafter="none"))
+    assert warm.prefill_ahead([7] * (3 * C)) == 0  # no whole chunk in common
+    assert warm.prefill_ahead(ids) == 3 * C
+    with pytest.raises(Exception, match="token id"):
+        warm.prefill_ahead([-1])
 
 
 def test_the_draft_prefix_is_reused_when_the_drafter_changes(tiny_pair_dir: Path,
@@ -256,6 +280,7 @@ def test_an_int4_targets_conversation_decodes_as_from_empty_caches(int4_target_d
         assert (got, reason) == cold.generate_ids(ids, config)[:2]
         reused.append(stats.cached_tokens)
         messages.append({"role": "assistant", "content": warm.tokenizer.decode(got)})
+        warm.prefill_ahead(ids + got)  # as `specedge chat` does between turns
     assert reused[0] == 0 and all(n >= C for n in reused[1:])  # one cache length throughout
 
 

@@ -15,16 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specedge.runtime.acceptance import accept_greedy, accept_sample
 from specedge.runtime.errors import InputError, ModelError, SpecEdgeError
 from specedge.runtime.files import sha256_file
 from specedge.runtime.manifest import MANIFEST_NAME
 from specedge.runtime.pair import GenerationConfig, Pair
-from specedge.runtime.sampling import (
-    SamplingParams,
-    accept_greedy,
-    accept_sample,
-    warp_probs,
-)
+from specedge.runtime.sampling import SamplingParams, warp_probs
 from specedge.runtime.text import Tokenizer
 
 

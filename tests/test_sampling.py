@@ -13,17 +13,16 @@ from hypothesis import strategies as st
 from scipy.special import softmax
 from scipy.stats import chisquare
 
-from specedge.runtime.errors import InputError, ModelError, SpecEdgeError
-from specedge.runtime.sampling import (
-    SamplingParams,
+from specedge.runtime.acceptance import (
     accept_greedy,
     accept_probability,
     accept_sample,
     first_token_marginal,
     residual_probs,
     sample_token,
-    warp_probs,
 )
+from specedge.runtime.errors import InputError, ModelError, SpecEdgeError
+from specedge.runtime.sampling import SamplingParams, warp_probs
 
 FAST = settings(max_examples=100, deadline=None)
 THOROUGH = settings(max_examples=200, deadline=None)
