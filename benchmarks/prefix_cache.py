@@ -66,7 +66,8 @@ def main() -> None:
                 row = rows.setdefault(turn, {})
                 if size:  # as `specedge chat` does while the reply is read (not timed above)
                     t1 = time.perf_counter()
-                    pairs[size].prefill_ahead(result.prompt_tokens + result.tokens)
+                    pairs[size].prefill_ahead(pairs[size].conversation_ids(
+                        messages, result.text))
                     row.setdefault("ahead", []).append(time.perf_counter() - t1)
                 row.setdefault(f"ttft{size}", []).append(first or result.stats.total_s)
                 row.setdefault(f"total{size}", []).append(result.stats.total_s)
@@ -106,9 +107,10 @@ def main() -> None:
         f"- Time to first token over all turns: {ttft[0]:.2f} s without, {ttft[1]:.2f} s with "
         f"the cache ({ttft[0] / ttft[1]:.2f}x).",
         "- What a turn reuses: the whole 128-token chunks of the previous prompt and reply. "
-        "After each reply the cached pair prefills the prompt and the reply's tokens ahead "
-        "(`Pair.prefill_ahead`, what `specedge chat` does while the reply is read and "
-        "`specedge serve` when no request waits), in the chunks a cold prefill would make: "
+        "After each reply the cached pair prefills the conversation so far ahead, rendered as "
+        "the next prompt will render it (`Pair.conversation_ids`, `Pair.prefill_ahead`: what "
+        "`specedge chat` does while the reply is read and `specedge serve` when no request "
+        "waits), in the chunks a cold prefill would make: "
         "decoding wrote the reply's keys and values in steps and verification blocks, which "
         "are not the cold computation bit for bit. That time (last column) is not in the "
         "turn's figures. A turn that needs a longer cache than the previous one (a power of "

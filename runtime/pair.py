@@ -313,6 +313,19 @@ class Pair:
             raise InputError("the prompt encodes to no tokens; pass some text")
         return ids
 
+    def conversation_ids(self, prompt: Prompt, reply: str, *, chat: bool = False) -> list[int]:
+        """The tokens the next prompt of a conversation starts with, once `prompt` was answered
+        with `reply`, as a client re-sending the conversation will tokenize it: chat messages
+        (or a str prompt with `chat`) rendered by the chat template with the reply as the
+        assistant's message, or a plain prompt followed by the reply's text. What
+        `prefill_ahead` takes (a reply's generated tokens may differ from how its text
+        tokenizes, "\n\n" as one token against two, say)."""
+        if isinstance(prompt, str) and not chat:
+            return self.encode_prompt(prompt + reply)
+        messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+                    else list(prompt))
+        return self.encode_prompt(messages + [{"role": "assistant", "content": reply}])
+
     def check_ids(self, ids: Sequence[int]) -> list[int]:
         vocab = self.manifest.vocab_size
         if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
@@ -445,10 +458,10 @@ class Pair:
             ModelError: a model failed to run (the caches are then dropped).
         """
         ids = self.check_ids(ids)
-        entry, skip = self.prefixes.take(ids + [0], None)  # [0]: ids may all be reused
+        entry = self.prefixes.take_extendable(ids)
         if entry is None:
             return 0
-        extend(entry, skip, ids, (self.target, self.draft))
+        extend(entry, len(entry.ids), ids, (self.target, self.draft))
         self.prefixes.put(entry)
         return len(entry.ids)
 

@@ -142,22 +142,33 @@ class PrefixCache:
         self._entries: list[Entry] = []
         self._lock = threading.Lock()
 
-    def take(self, prompt: Sequence[int], capacity: int | None) -> tuple[Entry | None, int]:
-        """The entry of `capacity` (None: any) that lets `prompt` skip the most tokens
-        (removed from the cache), and how many it skips; (None, 0) when none skips any."""
+    def take(self, prompt: Sequence[int], capacity: int) -> tuple[Entry | None, int]:
+        """The entry of `capacity` that lets `prompt` skip the most tokens (removed from the
+        cache), and how many it skips; (None, 0) when none skips any."""
         with self._lock:
             best, best_n = None, 0
             for entry in self._entries:
-                n = reusable(entry.ids, prompt) if capacity in (None, entry.capacity) else 0
+                n = reusable(entry.ids, prompt) if entry.capacity == capacity else 0
                 if n > best_n:
                     best, best_n = entry, n
             if best is not None:
                 self._entries.remove(best)
             return best, best_n
 
+    def take_extendable(self, ids: Sequence[int]) -> Entry | None:
+        """The entry holding the longest prefix of `ids` (none, when that is all it holds:
+        the caches of a prompt shorter than a chunk), removed from the cache; None when every
+        entry holds tokens that `ids` do not start with."""
+        with self._lock:
+            fits = [e for e in self._entries if tuple(ids[:len(e.ids)]) == e.ids]
+            best = max(fits, key=lambda e: len(e.ids), default=None)
+            if best is not None:
+                self._entries.remove(best)
+            return best
+
     def put(self, entry: Entry) -> None:
-        """Keep `entry` (the oldest beyond `size` go); one holding no whole chunk is dropped."""
-        if not self.size or not entry.ids:
+        """Keep `entry`, the most recently used; the oldest beyond `size` go."""
+        if not self.size:
             return
         with self._lock:
             self._entries.insert(0, entry)

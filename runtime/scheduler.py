@@ -206,19 +206,21 @@ class _SerialEngine:
         self.fifo: deque[Job] = deque()
         self.current: Job | None = None
         self.stream: Any = None
-        self.ahead: list[int] = []  # the last finished prompt and reply, for `idle_work`
+        self.ahead: Job | None = None  # the last finished job, for `idle_work`
+        self.reply = ""
 
     def idle_work(self) -> Callable[[], None] | None:
         """With no job waiting: prefill the last finished request's prompt and reply into the
         kept caches (`Pair.prefill_ahead`), so that a client sending its conversation on
         prefills only its new message; None when there is nothing to do."""
-        ids, self.ahead = self.ahead, []
-        if not ids:
+        job, self.ahead = self.ahead, None
+        if job is None:
             return None
 
         def work() -> None:
             try:
-                self.pair.prefill_ahead(ids)
+                self.pair.prefill_ahead(self.pair.conversation_ids(
+                    job.prompt, self.reply, chat=job.config.chat))
             except Exception as exc:  # the caches are dropped; requests are not affected
                 log.warning("prefilling the last conversation ahead failed: %s", exc)
 
@@ -261,7 +263,7 @@ class _SerialEngine:
             self.current = self.stream = None
             result: GenerationResult = stop.value
             if self.pair.prefixes.size:
-                self.ahead = list(result.prompt_tokens) + list(result.tokens)
+                self.ahead, self.reply = job, result.text
             return [(job, Finished(result))]
         except Exception as exc:
             self.current = self.stream = None

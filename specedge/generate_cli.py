@@ -278,8 +278,8 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
         turns = kept + [{"role": "assistant", "content": result.text}]
         if show_stats:
             _print_stats(result)
-        try:  # while the user reads: the next turn starts with this prompt and reply
-            loaded.prefill_ahead(result.prompt_tokens + result.tokens)
+        try:  # while the user reads: the next turn starts with this conversation
+            loaded.prefill_ahead(loaded.encode_prompt(head + turns))
         except SpecEdgeError as exc:
             click.echo(f"error: {one_line(str(exc))}", err=True)
 

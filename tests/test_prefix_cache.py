@@ -86,11 +86,19 @@ def test_the_pool_lends_the_entry_that_skips_most() -> None:
     assert pool.take(a[:C] + [1] * 10, 1024) == (None, 0)  # another cache length: no reuse
     entry, n = pool.take(a + [1], 512)
     assert entry is not None and entry.ids == tuple(a) and n == 2 * C and len(pool) == 1
-    pool.put(_entry([9] * 10))  # no whole chunk: not kept
     pool.put(_entry(a))
     pool.put(_entry([5] * C))  # the oldest (b) goes
     assert len(pool) == 2 and pool.take(b + [1], 512) == (None, 0)
-    PrefixCache(0).put(_entry(a))
+    pool = PrefixCache(3)
+    for ids in (a, [5] * C, []):  # the last: a prompt shorter than a chunk, kept to be extended
+        pool.put(_entry(ids))
+    assert pool.take_extendable([9] * C) is not None  # holds nothing: any tokens extend it
+    assert pool.take_extendable([9] * C) is None  # the others hold other tokens
+    extendable = pool.take_extendable(a + [1, 2])
+    assert extendable is not None and extendable.ids == tuple(a) and len(pool) == 1
+    empty = PrefixCache(0)
+    empty.put(_entry(a))
+    assert len(empty) == 0
     with pytest.raises(ValueError):
         PrefixCache(-1)
 
@@ -207,6 +215,15 @@ def test_prefill_ahead_needs_a_kept_cache(tiny_pair_dir: Path, tiny_pair: Pair) 
     warm.generate_ids(ids[:C + 5], GenerationConfig(max_new_tokens=2, drafter="none"))
     assert warm.prefill_ahead([7] * (3 * C)) == 0  # no whole chunk in common
     assert warm.prefill_ahead(ids) == 3 * C
+    # A first turn shorter than a chunk keeps no chunk, but its caches can be prefilled ahead
+    # (the README's conversation: the first prompt and reply fill a chunk together).
+    short = ids[:C // 2]
+    config = GenerationConfig(max_new_tokens=8, drafter="model")
+    out = warm.generate_ids(short, config)[0]
+    assert warm.prefill_ahead(short + out + ids[:C]) == C
+    prompt = short + out + ids[:C] + [5, 6]
+    got, _, stats = warm.generate_ids(prompt, config)
+    assert stats.cached_tokens == C and got == tiny_pair.generate_ids(prompt, config)[0]
     with pytest.raises(Exception, match="token id"):
         warm.prefill_ahead([-1])
 
@@ -254,6 +271,22 @@ def test_an_abandoned_stream_keeps_its_prefix_and_a_failure_drops_it(
     assert warm.generate_ids(prompt, config)[2].cached_tokens == 0
 
 
+def test_conversation_ids_start_the_next_prompt(tiny_pair: Pair) -> None:
+    """What `prefill_ahead` is given: the next request's prompt, but its new message and the
+    assistant's header (a chat template renders both after the reply)."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ahead = tiny_pair.conversation_ids(messages, "Hello!\n\nHow can I help?")
+    following = tiny_pair.encode_prompt([*messages, {"role": "assistant",
+                                                     "content": "Hello!\n\nHow can I help?"},
+                                         {"role": "user", "content": "Tell me a joke."}])
+    common = next(i for i, (a, b) in enumerate(zip(ahead, following, strict=False)) if a != b)
+    assert "How can I help?" in tiny_pair.tokenizer.decode(ahead[:common])  # the whole reply
+    assert tiny_pair.conversation_ids("The sky", " is blue") == tiny_pair.encode_prompt(
+        "The sky is blue")
+    assert tiny_pair.conversation_ids("Hi", "Hello", chat=True) == tiny_pair.encode_prompt(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+
+
 def test_prefix_cache_size_is_checked(tiny_pair_dir: Path) -> None:
     for bad in (-1, 65, True, 1.5):
         with pytest.raises(Exception, match="prefix_cache must be an integer in"):
@@ -279,8 +312,11 @@ def test_an_int4_targets_conversation_decodes_as_from_empty_caches(int4_target_d
         got, reason, stats = warm.generate_ids(ids, config)
         assert (got, reason) == cold.generate_ids(ids, config)[:2]
         reused.append(stats.cached_tokens)
-        messages.append({"role": "assistant", "content": warm.tokenizer.decode(got)})
-        warm.prefill_ahead(ids + got)  # as `specedge chat` does between turns
+        reply = warm.tokenizer.decode(got, skip_special_tokens=True)
+        # as `specedge chat` does between turns: all the next prompt will start with
+        held = warm.prefill_ahead(warm.conversation_ids(messages, reply))
+        messages.append({"role": "assistant", "content": reply})
+        assert held >= len(ids + got) // C * C - C
     assert reused[0] == 0 and all(n >= C for n in reused[1:])  # one cache length throughout
 
 

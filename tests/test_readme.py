@@ -12,7 +12,8 @@ def _python_blocks() -> list[str]:
     text = README.read_text(encoding="utf-8")
     section = text[text.index("## Python API"):text.index("## Architecture")]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 2, "the README's Python API lost an example (one-row, then batches)"
+    assert len(blocks) == 3, ("the README's Python API lost an example (one row, batches, a "
+                              "conversation)")
     return blocks
 
 
@@ -34,6 +35,24 @@ def test_readme_batch_example_runs(concat_dir: Path, capsys) -> None:  # noqa: A
     assert all(0 < r.stats.new_tokens <= n for r, n in zip(batch.results, (16, 48), strict=True))
     assert 0 < results[rid].stats.new_tokens <= 32
     assert capsys.readouterr().out.rstrip().endswith(results[rid].stop_reason)
+
+
+def test_readme_conversation_example_runs(reference_pair_dir: Path, capsys) -> None:  # noqa: ANN001
+    """The conversation example reuses its prefixes, and decodes what a pair keeping none
+    decodes."""
+    from specedge.runtime.pair import Pair
+
+    code = _python_blocks()[2]
+    assert '"pairs/smollm2-135m"' in code
+    namespace: dict = {}
+    exec(compile(code.replace('"pairs/smollm2-135m"', repr(str(reference_pair_dir))),
+                 "README.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    reused = [int(n) for n in re.findall(r"\[(\d+) prompt tokens reused\]", out)]
+    assert len(reused) == 4 and reused[0] == 0 and reused[-1] >= 128, out
+    messages, config = namespace["messages"], namespace["config"]
+    cold = Pair.load(reference_pair_dir)
+    assert cold.generate(messages[:-1], config).text == messages[-1]["content"]
 
 
 def test_readme_starts_with_the_two_commands() -> None:
