@@ -317,14 +317,18 @@ class Pair:
         """The tokens the next prompt of a conversation starts with, once `prompt` was answered
         with `reply`, as a client re-sending the conversation will tokenize it: chat messages
         (or a str prompt with `chat`) rendered by the chat template with the reply as the
-        assistant's message, or a plain prompt followed by the reply's text. What
-        `prefill_ahead` takes (a reply's generated tokens may differ from how its text
-        tokenizes, "\n\n" as one token against two, say)."""
+        assistant's message and no generation prompt (the next message follows), or a plain
+        prompt followed by the reply's text. What `prefill_ahead` takes (a reply's generated
+        tokens may differ from how its text tokenizes, "\n\n" as one token against two, say)."""
         if isinstance(prompt, str) and not chat:
             return self.encode_prompt(prompt + reply)
         messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
                     else list(prompt))
-        return self.encode_prompt(messages + [{"role": "assistant", "content": reply}])
+        ids = self.tokenizer.encode_chat([*messages, {"role": "assistant", "content": reply}],
+                                         add_generation_prompt=False)
+        if not ids:
+            raise InputError("the conversation encodes to no tokens")
+        return ids
 
     def check_ids(self, ids: Sequence[int]) -> list[int]:
         vocab = self.manifest.vocab_size

@@ -279,7 +279,7 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
         if show_stats:
             _print_stats(result)
         try:  # while the user reads: the next turn starts with this conversation
-            loaded.prefill_ahead(loaded.encode_prompt(head + turns))
+            loaded.prefill_ahead(loaded.conversation_ids(head + kept, result.text))
         except SpecEdgeError as exc:
             click.echo(f"error: {one_line(str(exc))}", err=True)
 

@@ -279,12 +279,12 @@ def test_conversation_ids_start_the_next_prompt(tiny_pair: Pair) -> None:
     following = tiny_pair.encode_prompt([*messages, {"role": "assistant",
                                                      "content": "Hello!\n\nHow can I help?"},
                                          {"role": "user", "content": "Tell me a joke."}])
-    common = next(i for i, (a, b) in enumerate(zip(ahead, following, strict=False)) if a != b)
-    assert "How can I help?" in tiny_pair.tokenizer.decode(ahead[:common])  # the whole reply
+    assert following[:len(ahead)] == ahead  # all of it: the next message follows
+    assert "How can I help?" in tiny_pair.tokenizer.decode(ahead)
     assert tiny_pair.conversation_ids("The sky", " is blue") == tiny_pair.encode_prompt(
         "The sky is blue")
-    assert tiny_pair.conversation_ids("Hi", "Hello", chat=True) == tiny_pair.encode_prompt(
-        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    assert tiny_pair.conversation_ids("Hi", "Hello", chat=True) == tiny_pair.conversation_ids(
+        [{"role": "user", "content": "Hi"}], "Hello")
 
 
 def test_prefix_cache_size_is_checked(tiny_pair_dir: Path) -> None:
