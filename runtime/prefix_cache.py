@@ -20,6 +20,11 @@ caches, bit for bit, by construction rather than by tolerance:
   sized to powers of two (`cache_capacity`), so a conversation growing within one size keeps
   hitting, and kernels that might depend on the buffer's size see the same size.
 
+A reply's keys and values were written by decode steps and verification blocks, not by prefill
+chunks, so they are not reused as they are: `extend` (`Pair.prefill_ahead`) recomputes the
+conversation so far in the chunks a cold prefill makes, once the reply has been shown, and the
+next turn then prefills only its new message.
+
 Chunking also bounds a long prompt's prefill memory (an attention call's scores grow with
 chunk x past instead of prompt x prompt).
 """
