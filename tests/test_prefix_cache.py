@@ -8,6 +8,7 @@ positions), and only at the cache length a cold generation allocates.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from specedge.cli import main
 from specedge.runtime.errors import ModelError
-from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
 from specedge.runtime.prefix_cache import (
     MIN_CAPACITY,
     PREFILL_CHUNK,
@@ -226,6 +227,23 @@ def test_prefill_ahead_needs_a_kept_cache(tiny_pair_dir: Path, tiny_pair: Pair) 
     assert stats.cached_tokens == C and got == tiny_pair.generate_ids(prompt, config)[0]
     with pytest.raises(Exception, match="token id"):
         warm.prefill_ahead([-1])
+
+
+@pytest.mark.parametrize("fields", [{"fixed_buffers": True}, {"device_argmax": True}],
+                         ids=["fixed-buffers", "device-argmax"])
+def test_a_conversation_on_fixed_buffers_decodes_as_from_empty_caches(
+        tiny_pair_dir: Path, fields: dict[str, bool]) -> None:
+    """The paths CUDA graphs and the greedy head take (run on the CPU): a kept cache is a fixed
+    buffer set, and a prefill's last chunk may be narrow enough to replay a captured width."""
+    plan = plan_threads()
+    plan = ThreadPlan(replace(plan.target, **fields), replace(plan.draft, **fields))
+    warm = Pair.load(tiny_pair_dir, plan=plan, prefix_cache=1)
+    cold = Pair.load(tiny_pair_dir, plan=plan)
+    config = GenerationConfig(max_new_tokens=20, drafter="model", num_draft_tokens=3,
+                              adaptive=False)
+    first = np.random.default_rng(6).integers(0, 300, 2 * C + 3).tolist()
+    reused = _conversation(warm, cold, first, config, ahead=True)
+    assert reused[0] == 0 and all(n >= 2 * C for n in reused[1:])
 
 
 def test_the_draft_prefix_is_reused_when_the_drafter_changes(tiny_pair_dir: Path,
