@@ -43,6 +43,7 @@ from .kvcache import KVCache
 from .policy import DecodePlan
 from .rounds import RowOutput, RowSampler, draft_budget, fed_prefix
 from .sampling import SamplingParams
+from .slot_prefix import Held, SlotPrefixes, extend_end, feed_row, prefill_row_first
 from .stats import GenerationStats
 
 
@@ -100,6 +101,7 @@ class BatchRow:
     stats: GenerationStats
     draft_fed: list[int] = field(default_factory=list)
     draft_stable: int = 0  # draft_fed[:draft_stable] is known to be committed
+    draft_prefilled: bool = False  # its draft was fed its prompt in chunks when it joined
     started: float = 0.0  # perf_counter after its prefill
     counted: int = 0  # generated tokens already added to the batch totals
     reported: bool = False  # returned by `BatchDecoder.step` as finished
@@ -123,12 +125,14 @@ class BatchDecoder:
 
     `add` prefills a request into a free slot (continuous batching: a slot frees when its
     finished row is `release`d); `step` runs one round for every live row and returns the rows
-    that finished in it. `decode_batch` is the fixed-batch use of it.
+    that finished in it. `decode_batch` is the fixed-batch use of it. A free slot keeps its
+    last prompt's whole prefill chunks for a request that starts alike (`runtime/slot_prefix`;
+    `keep_prefixes=False`: every row starts from empty).
     """
 
     def __init__(self, target: OrtModel, draft: OrtModel | None, plan: DecodePlan, *,
                  capacity: int, max_len: int, compact: bool = True,
-                 tuner: AdaptiveK | None = None) -> None:
+                 tuner: AdaptiveK | None = None, keep_prefixes: bool = True) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise InputError(f"batch capacity must be an integer >= 1, got {capacity!r}")
         if target.spec.graph != "concat":
@@ -145,6 +149,7 @@ class BatchDecoder:
         self.t_cache = target.new_cache(capacity, self.limit)
         self.d_cache = self.draft.new_cache(capacity, self.limit) if self.draft else None
         self.slots: list[BatchRow | None] = [None] * capacity
+        self.prefixes = SlotPrefixes(capacity, keep=keep_prefixes)
         self.compact = compact
         # `tuner`: a warm AdaptiveK (costs and acceptance learned earlier at this batch size).
         self.tuner = (tuner or new_tuner(plan.drafter, plan.k)) if plan.adaptive else None
@@ -157,20 +162,34 @@ class BatchDecoder:
     def has_room(self) -> bool:
         return any(r is None for r in self.slots)
 
+    @property
+    def free(self) -> list[int]:
+        return [i for i, r in enumerate(self.slots) if r is None]
+
     def add(self, request: RowRequest) -> BatchRow:
-        """Prefill `request` into a free slot; it takes part from the next round on."""
-        slot = next((i for i, r in enumerate(self.slots) if r is None), None)
-        if slot is None:
+        """Prefill `request` into a free slot (the one that holds the most of its prompt); it
+        takes part from the next round on."""
+        if not self.free:
             raise InputError(f"the batch is full ({len(self.slots)} rows); release a finished "
                              "row first")
         if not request.prompt:
             raise InputError("the prompt has no tokens")
         replace(self.plan, limit=self.limit).check_prompt(len(request.prompt))
+        try:
+            return self._add(request)
+        except BaseException:
+            self.prefixes.forget()  # a failed call: what the free rows hold is not trusted
+            raise
+
+    def _add(self, request: RowRequest) -> BatchRow:
+        slot, reused = self.prefixes.choose(self.free, request.prompt)
+        draft_reused = self.prefixes.draft_reuse(slot, request.prompt)
+        self.prefixes.take(slot)
         row = BatchRow(slot, len(request.prompt), list(request.prompt),
                        RowSampler(request.params, self.target.spec.vocab_size), request.output,
-                       GenerationStats(prompt_tokens=len(request.prompt)))
+                       GenerationStats(prompt_tokens=len(request.prompt), cached_tokens=reused))
         t0 = time.perf_counter()
-        self.t_cache.lengths[slot] = 0
+        self.t_cache.lengths[slot] = reused
         # The prefill's last logits give the first token (as in batch 1): no extra call.
         first = _prefill_first(self.target, self.t_cache, slot, row)
         row.tokens.extend(int(t) for t in first)
@@ -182,13 +201,16 @@ class BatchDecoder:
             self.d_cache.lengths[slot] = 0
             if self.tuner is None or self.tuner.k > 0:
                 t_draft = time.perf_counter()
-                _prefill(self.draft, self.d_cache, slot, row.tokens[:-1])
+                self.d_cache.lengths[slot] = draft_reused
+                feed_row(self.draft, self.d_cache, slot, row.tokens, len(row.tokens) - 1)
                 row.draft_fed = list(row.tokens[:-1])
                 row.draft_stable = len(row.draft_fed)
+                row.draft_prefilled = True
                 if self.tuner is not None:
                     fed = time.perf_counter() - t_draft
                     self.tuner.add_probe_cost(fed)
-                    self.tuner.record_feed(len(row.draft_fed), fed)  # one row's prompt
+                    # one row's prompt (what a kept prefix did not hold)
+                    self.tuner.record_feed(len(row.draft_fed) - draft_reused, fed)
             # else: adaptive K decodes without drafts for now; the draft's first call, if
             # drafting resumes, feeds the row's prompt (its catch-up, which the tuner weighs)
         row.stats.prefill_s = time.perf_counter() - t0
@@ -203,9 +225,48 @@ class BatchDecoder:
         return row
 
     def release(self, row: BatchRow) -> None:
-        """Free a finished row's slot for a new request."""
+        """Free a finished row's slot for a new request; the slot keeps the whole prefill
+        chunks of the row's prompt."""
         if self.slots[row.index] is row:
             self.slots[row.index] = None
+            held = self.prefixes.release(row.index, row.tokens[:row.prompt_len],
+                                         draft_prefilled=row.draft_prefilled)
+            self._hold(row.index, held)
+
+    def _hold(self, slot: int, held: Held) -> None:
+        """A free row's lengths: what it holds (a batched call that feeds a dummy token to a
+        row it does not ask for, as the in-place draft's do, writes there)."""
+        self.t_cache.lengths[slot] = len(held.target)
+        if self.d_cache is not None:
+            self.d_cache.lengths[slot] = len(held.draft or ())
+
+    def prefill_ahead(self, ids: Sequence[int]) -> int:
+        """Prefill the whole chunks of `ids` (a conversation so far) into the free slot that
+        holds their start (`SlotPrefixes.extendable`), so that a request starting with them
+        prefills only what follows; the draft's row too where it holds their start. Returns
+        how many of `ids` the slot now holds (0: no free slot holds their start)."""
+        slot = self.prefixes.extendable(self.free, ids)
+        if slot is None:
+            return 0
+        held = self.prefixes.held[slot]
+        end = extend_end(ids, self.limit)
+        if end <= len(held.target):
+            return len(held.target)
+        draft = None
+        try:
+            self.t_cache.lengths[slot] = len(held.target)
+            feed_row(self.target, self.t_cache, slot, ids, end)
+            if (self.draft is not None and self.d_cache is not None and held.draft is not None
+                    and tuple(ids[:len(held.draft)]) == held.draft):
+                self.d_cache.lengths[slot] = len(held.draft)
+                feed_row(self.draft, self.d_cache, slot, ids, end)
+                draft = tuple(ids[:end])
+        except BaseException:
+            self.prefixes.forget()
+            raise
+        self.prefixes.held[slot] = Held(tuple(ids[:end]), draft, held.released)
+        self._hold(slot, self.prefixes.held[slot])
+        return end
 
     def _catch_up(self, rows: list[BatchRow]) -> float:
         """Feed the draft, in one call, what rows whose draft lags by more than a few tokens
@@ -259,6 +320,13 @@ class BatchDecoder:
     def step(self) -> list[BatchRow]:
         """One round for every live row; returns the rows that finished in it (and rows whose
         first token, from the prefill, already finished them)."""
+        try:
+            return self._step()
+        except BaseException:
+            self.prefixes.forget()  # a failed call: what the free rows hold is not trusted
+            raise
+
+    def _step(self) -> list[BatchRow]:
         finished = [r for r in self.slots if r is not None and r.output.done and
                     not r.reported]
         for row in finished:
@@ -375,24 +443,13 @@ def _lag(row: BatchRow) -> int:
 
 
 def _prefill_first(model: OrtModel, cache: KVCache, index: int, row: BatchRow) -> np.ndarray:
-    """Prefill row `index` with its prompt; returns its first token `[1]` (from argmax ids for
-    a greedy row, so its prefill's logits need not reach the host)."""
-    tokens = np.asarray([row.tokens], np.int64)
-    lens = np.asarray([len(row.tokens)])
-    greedy = np.asarray([row.sampler.greedy])
-    ids, logits = model.forward_rows_greedy(cache, np.asarray([index]), tokens, lens, greedy,
-                                            last=True)
+    """Prefill row `index` with its prompt after the row's valid length (a kept prefix, or
+    none) in chunks; returns its first token `[1]` (from argmax ids for a greedy row, so its
+    prefill's logits need not reach the host)."""
+    ids, logits = prefill_row_first(model, cache, index, row.tokens, row.sampler.greedy)
     if row.sampler.greedy:
         return row.sampler.verify_ids(np.zeros(0, np.int64), ids[0])
     return row.sampler.verify(np.zeros(0, np.int64), None, logits[0, -1:], 0)
-
-
-def _prefill(model: OrtModel, cache: KVCache, index: int, tokens: list[int]) -> np.ndarray:
-    """Feed `tokens` to row `index`; returns their logits `[len(tokens), vocab]`."""
-    if not tokens:
-        return np.zeros((0, model.logits_size), np.float32)
-    return model.forward_rows(cache, np.asarray([index]), np.asarray([tokens], np.int64),
-                              np.asarray([len(tokens)]))[0]
 
 
 def _draft(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks: dict[int, int],

@@ -91,6 +91,12 @@ class BatchRows:
             raise self._not_finite()
         return out[:, skip:] if skip else out
 
+    def feed_rows(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
+                  new_lens: np.ndarray) -> None:
+        """As `forward_rows`, for the keys and values only: no logits reach the host (a
+        prefill's earlier chunks)."""
+        self._rows_step(cache, rows, tokens, new_lens)
+
     def forward_rows_greedy(self, cache: KVCache, rows: np.ndarray, tokens: np.ndarray,
                             new_lens: np.ndarray, greedy: np.ndarray, *, last: bool = False
                             ) -> tuple[np.ndarray, np.ndarray]:

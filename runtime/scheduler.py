@@ -147,19 +147,36 @@ class _BatchEngine:
         self.pair, self.options = pair, options
         self.batch = self._new_batch()
         self.jobs: dict[int, Job] = {}
+        # Finished jobs and their replies, the latest last, for `idle_work` (with prefixes kept
+        # in the batch's free slots: a pair loaded with a prefix cache).
+        self.ahead: deque[tuple[Job, str]] = deque(maxlen=options.max_batch)
 
     def warm_up(self, prompt: Prompt, config: GenerationConfig) -> None:
         self.batch.submit(prompt, config)
         self.batch.run()
 
     def idle_work(self) -> Callable[[], None] | None:
-        return None  # a continuous batch keeps no prefixes
+        """With no job waiting: prefill the latest finished request's prompt and reply into
+        the free slot that holds its prompt (`ContinuousBatch.prefill_ahead`); None when there
+        is nothing to do."""
+        if not self.ahead:
+            return None
+        job, reply = self.ahead.pop()
+
+        def work() -> None:
+            try:
+                self.batch.prefill_ahead(self.pair.conversation_ids(
+                    job.prompt, reply, chat=job.config.chat))
+            except Exception as exc:  # the kept prefixes are dropped; requests are not affected
+                log.warning("prefilling a finished conversation ahead failed: %s", exc)
+
+        return work
 
     def _new_batch(self) -> ContinuousBatch:
         o = self.options
         return ContinuousBatch(self.pair, capacity=o.max_batch, max_len=o.max_context,
                                drafter=o.drafter, num_draft_tokens=o.num_draft_tokens,
-                               adaptive=o.adaptive)
+                               adaptive=o.adaptive, keep_prefixes=self.pair.prefixes.size > 0)
 
     @property
     def running(self) -> int:
@@ -189,11 +206,15 @@ class _BatchEngine:
             assert job.output is not None
             if text := job.output.delta():
                 job.emit(Delta(text))
-        return [(self.jobs.pop(rid), Finished(result)) for rid, result in finished]
+        done = [(self.jobs.pop(rid), result) for rid, result in finished]
+        if self.batch.decoder.prefixes.keep:
+            self.ahead.extend((job, result.text) for job, result in done)
+        return [(job, Finished(result)) for job, result in done]
 
     def fail_all(self) -> list[Job]:
         jobs = list(self.jobs.values())
         self.jobs.clear()
+        self.ahead.clear()
         self.batch = self._new_batch()  # a failed round leaves no state worth keeping
         return jobs
 

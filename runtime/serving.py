@@ -12,12 +12,18 @@ wait in a queue and take the slot of the next finished request. Each request kee
 sampling parameters, seed, budget and stop strings, and gets exactly its batch-1 output (greedy
 and seeded sampling: token for token). The drafter, K and adaptivity belong to the server and
 are resolved by the same policy as `Pair.generate`. Needs a `--graph concat` pair.
+
+A finished request's slot keeps its prompt's keys and values, so a request that starts alike
+(the next turn of a chat re-sending its history) joins in that slot and prefills only what is
+new, with the same output token for token (`runtime/slot_prefix`); `prefill_ahead` prefills a
+conversation so far into it while the batch is idle.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from .batch import BatchDecoder, BatchRow, RowRequest
@@ -39,14 +45,15 @@ class ContinuousBatch:
     def __init__(self, pair: Pair, *, capacity: int = 8, max_len: int = 2048,
                  drafter: str | None = None, num_draft_tokens: int | None = None,
                  adaptive: bool | None = None, compact: bool = True,
-                 draft_p_min: float | None = None) -> None:
+                 draft_p_min: float | None = None, keep_prefixes: bool = True) -> None:
         self.pair = pair
         self._shared = GenerationConfig(drafter=drafter, num_draft_tokens=num_draft_tokens,
                                         adaptive=adaptive, draft_p_min=draft_p_min)
         self.plan = pair.plan(self._shared)
         self.max_len = min(max_len, self.plan.limit)
         self.decoder = BatchDecoder(pair.target, pair.draft, self.plan, capacity=capacity,
-                                    max_len=self.max_len, compact=compact)
+                                    max_len=self.max_len, compact=compact,
+                                    keep_prefixes=keep_prefixes)
         self.queue: deque[_Pending] = deque()
         self.running: dict[int, tuple[_Pending, BatchRow]] = {}  # slot -> request
         self.next_id = 0
@@ -54,8 +61,13 @@ class ContinuousBatch:
     def submit(self, prompt: Prompt, config: GenerationConfig | None = None) -> int:
         """Queue a request; it joins the batch at the next round with a free slot."""
         config = as_config(config)
+        return self.submit_ids(self.pair.encode_prompt(prompt, chat=config.chat), config)
+
+    def submit_ids(self, ids: Sequence[int], config: GenerationConfig | None = None) -> int:
+        """`submit` for prompt token ids (as `Pair.generate_ids`)."""
+        config = as_config(config)
         self._check_shared(config)
-        ids = self.pair.encode_prompt(prompt, chat=config.chat)
+        ids = self.pair.check_ids(ids)
         if len(ids) >= self.max_len:
             raise InputError(f"the prompt has {len(ids)} tokens but the server's context is "
                              f"{self.max_len}; shorten it")
@@ -134,6 +146,13 @@ class ContinuousBatch:
                 text=row.output.text, tokens=list(row.generated), prompt_tokens=p.request.prompt,
                 stop_reason=reason, stats=row.stats)))
         return done
+
+    def prefill_ahead(self, ids: Sequence[int]) -> int:
+        """Prefill `ids` (e.g. `pair.conversation_ids(messages, reply)`) into the free slot that
+        holds their start, so that a request starting with them prefills only what follows;
+        returns how many of them the slot holds (`BatchDecoder.prefill_ahead`). For idle time:
+        it runs the models."""
+        return self.decoder.prefill_ahead(self.pair.check_ids(ids))
 
     def run(self) -> dict[int, GenerationResult]:
         """Step until every queued and running request is finished."""

@@ -1,0 +1,250 @@
+"""Prefixes kept in a continuous batch's free slots: a conversation's next turn joins the slot
+that holds its history and prefills only what is new, decoding exactly what a cold row decodes.
+
+The rules (runtime/slot_prefix.py) are batch-1 prefix caching's: row prefills are cut at the
+multiples of `PREFILL_CHUNK`, and a slot keeps only whole chunks its prefill wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specedge.runtime.backend import OrtModel
+from specedge.runtime.errors import ModelError
+from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
+from specedge.runtime.prefix_cache import PREFILL_CHUNK, kept_prefix, reusable
+from specedge.runtime.sampling import SamplingParams
+from specedge.runtime.server import ServerOptions, create_app
+from specedge.runtime.serving import ContinuousBatch
+from specedge.runtime.slot_prefix import SlotPrefixes, extend_end
+from tests.test_gqa_rows import mixed
+from tests.test_serve import running
+
+__all__ = ["mixed"]  # a fixture, imported for the tests below
+
+C = PREFILL_CHUNK
+
+
+@pytest.fixture(scope="module")
+def concat(fixtures_dir: Path) -> Pair:
+    return Pair.load(fixtures_dir / "tiny-llama-concat")
+
+
+# ------------------------------------------------------------------------------- the choice
+
+
+@given(st.lists(st.lists(st.integers(0, 2), max_size=3 * C + 9), min_size=1, max_size=5),
+       st.lists(st.integers(0, 2), min_size=1, max_size=3 * C + 9), st.data())
+def test_a_request_takes_the_slot_that_holds_most_of_it(earlier: list[list[int]],
+                                                        prompt: list[int], data: Any) -> None:
+    """The free slot whose kept chunks let the prompt skip the most; when none lets it skip
+    any, the slot released longest ago (a fresh one first), so other conversations keep theirs.
+    With `keep=False` nothing is ever reused."""
+    slots = SlotPrefixes(len(earlier))
+    for slot in data.draw(st.permutations(range(len(earlier)))):
+        slots.release(slot, earlier[slot], draft_prefilled=True)
+    free = sorted(data.draw(st.sets(st.integers(0, len(earlier) - 1), min_size=1)))
+    chosen, n = slots.choose(free, prompt)
+    best = max(reusable(kept_prefix(earlier[s]), prompt) for s in free)
+    assert chosen in free and n == best == slots.target_reuse(chosen, prompt)
+    assert n == slots.draft_reuse(chosen, prompt) and n % C == 0 and n < len(prompt)
+    if n == 0:
+        assert slots.held[chosen].released == min(slots.held[s].released for s in free)
+    off = SlotPrefixes(len(earlier), keep=False)
+    for s in range(len(earlier)):
+        off.release(s, earlier[s], draft_prefilled=True)
+    assert off.choose(free, prompt)[1] == 0 and off.extendable(free, prompt) is None
+
+
+def test_a_taken_slot_holds_nothing_and_an_undrafted_row_keeps_no_draft() -> None:
+    slots = SlotPrefixes(2)
+    prompt = list(range(2 * C + 5))
+    slots.release(0, prompt, draft_prefilled=False)
+    assert slots.held[0].target == tuple(prompt[:2 * C]) and slots.held[0].draft is None
+    assert slots.choose([0, 1], prompt + [1]) == (0, 2 * C)
+    assert slots.draft_reuse(0, prompt + [1]) == 0
+    slots.take(0)
+    assert slots.choose([0, 1], prompt + [1])[1] == 0
+    assert extend_end(list(range(3 * C + 1)), 3 * C + 1) == 3 * C
+    assert extend_end(list(range(3 * C + 1)), 3 * C) == 2 * C  # room for one more token
+
+
+# ------------------------------------------------------------------------------- exactness
+
+
+def _batch(pair: Pair, config: GenerationConfig, capacity: int, keep: bool = True
+           ) -> ContinuousBatch:
+    return ContinuousBatch(pair, capacity=capacity, keep_prefixes=keep, drafter=config.drafter,
+                           num_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive)
+
+
+def _turns(server: ContinuousBatch, prompts: list[list[int]], config: GenerationConfig
+           ) -> list[GenerationResult]:
+    ids = [server.submit_ids(p, config) for p in prompts]
+    done = server.run()
+    return [done[i] for i in ids]
+
+
+def _conversations(pair: Pair, config: GenerationConfig, *, keep: bool, ahead: bool,
+                   capacity: int, chats: int = 3, turns: int = 3) -> list[list[Any]]:
+    """`chats` conversations of token ids, each turn's prompt the last prompt, its output and
+    a few new tokens, all turns of a round submitted together; returns per turn each chat's
+    (tokens, reason, cached tokens, what a prefill ahead held before it)."""
+    server = _batch(pair, config, capacity, keep)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 300, C + 20 + 37 * i).tolist() for i in range(chats)]
+    held = [0] * chats
+    out = []
+    for _ in range(turns):
+        results = _turns(server, prompts, config)
+        out.append([(r.tokens, r.stop_reason, r.stats.cached_tokens, h)
+                    for r, h in zip(results, held, strict=True)])
+        for i, r in enumerate(results):
+            history = prompts[i] + r.tokens
+            held[i] = server.prefill_ahead(history) if ahead else 0
+            prompts[i] = history + rng.integers(0, 300, 9).tolist()
+    return out
+
+
+CONFIGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=0.9, seed=5)}
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "ahead"])
+@pytest.mark.parametrize("sampling", list(CONFIGS))
+@pytest.mark.parametrize("drafter", ["none", "model", "hybrid"])
+@pytest.mark.parametrize("form", ["concat", "mixed"])
+def test_conversations_in_a_batch_decode_as_cold_rows(form: str, drafter: str, sampling: str,
+                                                      ahead: bool, request: Any) -> None:
+    """Three chats of three turns in a batch of three slots (each keeps its own slot): every
+    turn's tokens equal a batch that keeps nothing; each turn after the first reuses the whole
+    chunks of its last prompt, or all that a prefill ahead held. Concat draft and in-place
+    (gqa-shared) draft."""
+    pair = request.getfixturevalue(form)
+    config = GenerationConfig(max_new_tokens=16, drafter=drafter, num_draft_tokens=3,
+                              adaptive=False, sampling=CONFIGS[sampling])
+    warm = _conversations(pair, config, keep=True, ahead=ahead, capacity=3)
+    cold = _conversations(pair, config, keep=False, ahead=False, capacity=3)
+    for turn, (w, c) in enumerate(zip(warm, cold, strict=True)):
+        assert [x[:2] for x in w] == [x[:2] for x in c], turn
+        assert all(x[2] == 0 for x in c)
+        if turn == 0:
+            assert all(x[2] == 0 for x in w)
+        for _, _, cached, held in (w if turn else []):
+            assert cached > 0 and cached % C == 0
+            assert not ahead or cached == held, (cached, held)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_chats_sharing_fewer_slots_stay_exact(concat: Pair, adaptive: bool) -> None:
+    """Three chats through two slots: requests queue, take whatever slot frees, and reuse what
+    that slot holds of them (or nothing); the tokens are a cold batch's all the same."""
+    config = GenerationConfig(max_new_tokens=12, drafter="model", num_draft_tokens=2,
+                              adaptive=adaptive)
+    warm = _conversations(concat, config, keep=True, ahead=True, capacity=2)
+    cold = _conversations(concat, config, keep=False, ahead=False, capacity=2)
+    assert [[x[:2] for x in t] for t in warm] == [[x[:2] for x in t] for t in cold]
+    assert sum(x[2] for t in warm for x in t) > 0
+
+
+def _row_calls(model: OrtModel, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    calls: list[tuple[int, int]] = []
+    step = model._rows_step
+
+    def record(cache: Any, rows: Any, tokens: Any, new_lens: Any) -> Any:
+        calls.append((int(cache.lengths[rows[0]]), int(new_lens[0])))
+        return step(cache, rows, tokens, new_lens)
+
+    monkeypatch.setattr(model, "_rows_step", record)
+    return calls
+
+
+def test_a_warm_row_makes_the_cold_rows_last_prefill_calls(concat: Pair,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """Exact by construction: a row that joins after a kept prefix feeds the target exactly
+    the calls (past, width) a cold row's prefill ends with, and the draft likewise."""
+    earlier = np.random.default_rng(3).integers(0, 300, 2 * C + 40).tolist()
+    config = GenerationConfig(max_new_tokens=1, drafter="model", adaptive=False)
+    for prompt in (earlier[:2 * C + 5] + [7] * 30, earlier + [1], earlier[:C + 2] + [2] * 9):
+        seen = {}
+        for keep in (False, True):
+            server = _batch(concat, config, 1, keep)
+            _turns(server, [earlier], config)
+            assert concat.draft is not None
+            target = _row_calls(concat.target, monkeypatch)
+            draft = _row_calls(concat.draft, monkeypatch)
+            (result,) = _turns(server, [prompt], config)
+            seen[keep] = (target, draft, result.stats.cached_tokens)
+            monkeypatch.undo()
+        (cold_t, cold_d, none), (warm_t, warm_d, cached) = seen[False], seen[True]
+        assert none == 0 and cached == reusable(kept_prefix(earlier), prompt) > 0
+        assert warm_t[0][0] == cached and warm_t == cold_t[-len(warm_t):]
+        assert warm_d[0][0] == cached and warm_d == cold_d[-len(warm_d):]
+        assert all(p % C + n <= C for p, n in cold_t)  # no call crosses a chunk boundary
+
+
+def test_a_failed_round_forgets_every_kept_prefix(concat: Pair,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = np.random.default_rng(4).integers(0, 300, C + 30).tolist()
+    config = GenerationConfig(max_new_tokens=8, drafter="none")
+    server = _batch(concat, config, 2)
+    first = _turns(server, [prompt], config)[0]
+    assert server.decoder.prefixes.held[0].target == tuple(prompt[:C])
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise ModelError("the target failed to run")
+
+    server.submit_ids(np.random.default_rng(5).integers(0, 300, 20).tolist(), config)
+    with monkeypatch.context() as m:
+        m.setattr(concat.target, "forward_rows_greedy", broken)
+        with pytest.raises(ModelError):
+            server.step()
+    assert all(h.target == () for h in server.decoder.prefixes.held)
+    again = _turns(server, [prompt], config)[0]
+    assert again.tokens == first.tokens and again.stats.cached_tokens == 0
+
+
+# ------------------------------------------------------------------------------- server
+
+
+def test_the_batching_server_reuses_a_conversation(concat_dir: Path, concat: Pair) -> None:
+    """A real server on a concat-form pair and a real client re-sending its conversation: the
+    later requests report reused prompt tokens (the request's prompt chunks, or all that the
+    idle server prefilled ahead) and answer what a cold pair decodes; `--prefix-cache 0`
+    reuses nothing."""
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 12},
+                {"role": "user", "content": "Hello there"}]
+    seen: dict[int, list[int]] = {}
+    for size in (1, 0):
+        app = create_app(Pair.load(concat_dir, prefix_cache=size),
+                         ServerOptions(max_tokens_limit=64, warmup_tokens=0, max_batch=2))
+        history = list(messages)
+        with running(app) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                   timeout=60)
+            cached = []
+            for turn in ("And then?", "Thanks"):
+                reply = client.chat.completions.create(model=concat_dir.name, messages=history,
+                                                       max_tokens=16, temperature=0)
+                solo = concat.generate(history, GenerationConfig(max_new_tokens=16, chat=True,
+                                                                 drafter="none"))
+                assert reply.choices[0].message.content == solo.text
+                details = reply.usage.prompt_tokens_details
+                cached.append(details.cached_tokens if details else -1)
+                history += [{"role": "assistant", "content": solo.text},
+                            {"role": "user", "content": turn}]
+            metrics = httpx.get(url + "/metrics").text
+        seen[size] = cached
+        line = next(ln for ln in metrics.splitlines()
+                    if ln.startswith("specedge_prompt_tokens_cached_total "))
+        assert float(line.split()[1]) == sum(cached)
+    assert seen[0] == [0, 0]
+    assert seen[1][0] == 0 and seen[1][1] >= C and seen[1][1] % C == 0
