@@ -10,6 +10,10 @@ conversation ahead), so the two servers never decode at the same time. Reported 
 prompt's tokens, the tokens the cache held (`usage.prompt_tokens_details.cached_tokens`) and the
 time to the first streamed text of each server, medians over the conversations. Replies must be
 identical. Writes markdown with --out.
+
+With `--concurrent` the conversations run side by side: each turn of every conversation goes
+to a server at once (a batching server, `--graph concat` pairs, decodes them as rows of one
+batch; each keeps its prefix in its own slot), then to the other server.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +95,8 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--think", type=float, default=1.0, help="seconds between turns")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="send every conversation's turn at once (a batch)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     questions = [json.loads(line)["prompt"] for line in
@@ -98,25 +105,34 @@ def main() -> None:
     rows: dict[int, dict[str, list[float]]] = {}
     same = total = 0
     began = time.perf_counter()
+    # Conversations in groups that run at once: all together with --concurrent, else one by one.
+    n = args.conversations
+    groups = [list(range(n))] if args.concurrent else [[c] for c in range(n)]
+    pool = ThreadPoolExecutor(max(1, n))
     try:
-        for c in range(args.conversations):
-            messages = [{"role": "system", "content": SYSTEM}]
+        for group in groups:
+            chats = {c: [{"role": "system", "content": SYSTEM}] for c in group}
             for t in range(args.turns):
-                messages.append({"role": "user",
-                                 "content": questions[(c * args.turns + t) % len(questions)]})
-                replies = {}
+                for c in group:
+                    chats[c].append({"role": "user",
+                                     "content": questions[(c * args.turns + t) % len(questions)]})
+                replies: dict[int, list[dict[str, Any]]] = {}
                 for cache, (_, url) in servers.items():
-                    replies[cache] = turn(url, messages, args.max_tokens)
+                    replies[cache] = list(pool.map(
+                        lambda c, url=url, chats=chats: turn(url, chats[c], args.max_tokens),
+                        group))
                     time.sleep(args.think)  # a user reading; the caching server prefills ahead
                 row = rows.setdefault(t, {})
-                for cache, r in replies.items():
-                    row.setdefault(f"ttft{cache}", []).append(r["ttft"])
-                row.setdefault("prompt", []).append(replies[0]["prompt"])
-                row.setdefault("cached", []).append(replies[1]["cached"])
-                total += 1
-                same += replies[0]["text"] == replies[1]["text"]
-                messages.append({"role": "assistant", "content": replies[0]["text"]})
+                for i, c in enumerate(group):
+                    for cache in servers:
+                        row.setdefault(f"ttft{cache}", []).append(replies[cache][i]["ttft"])
+                    row.setdefault("prompt", []).append(replies[0][i]["prompt"])
+                    row.setdefault("cached", []).append(replies[1][i]["cached"])
+                    total += 1
+                    same += replies[0][i]["text"] == replies[1][i]["text"]
+                    chats[c].append({"role": "assistant", "content": replies[0][i]["text"]})
     finally:
+        pool.shutdown()
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(20)
@@ -133,10 +149,11 @@ def main() -> None:
         f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {elapsed / 60:.1f} min, "
         f"`python benchmarks/serve_conversation.py {args.pair} --turns {args.turns} "
         f"--conversations {args.conversations} --max-tokens {args.max_tokens} --think "
-        f"{args.think:g}`.",
+        f"{args.think:g}{' --concurrent' if args.concurrent else ''}`.",
         f"Machine: {platform.machine()}, Python {platform.python_version()}; two `specedge "
         "serve` processes (`--prefix-cache 1` and `0`), a streaming client re-sending each "
-        f"conversation; greedy; median over {args.conversations} conversations.",
+        f"conversation{' (all conversations at once)' if args.concurrent else ''}; greedy; "
+        f"median over {args.conversations} conversations.",
         "", *lines, "",
         f"- Replies identical with and without the cache: {same}/{total}.",
         f"- Time to first text over all turns: {sums[0]:.2f} s without, {sums[1]:.2f} s with "

@@ -103,7 +103,8 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
               help="split: greedy argmaxes from the int8 shortlist where the head is split off "
                    "(CPU; faster, more memory); whole: the whole graph (less memory).")
 @click.option("--prefix-cache", default=1, show_default=True, type=click.IntRange(0, 64),
-              help=PREFIX_CACHE_HELP + " gqa-shared pairs (batch-1 FIFO) only.")
+              help=PREFIX_CACHE_HELP + " A continuously batched (concat-form) server keeps "
+                   "them in its free slots instead (any N > 0).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
