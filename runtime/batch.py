@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .backend import OrtModel
+from .batch_calls import draft_rows, ragged_verify
 from .drafters import AdaptiveK, new_tuner, ngram_for, take_ngram
 from .errors import InputError
 from .kvcache import KVCache
@@ -282,7 +283,7 @@ class BatchDecoder:
             return 0.0
         blocks = [r.tokens[len(r.draft_fed):-1] for r in lagging]
         t0 = time.perf_counter()
-        _ragged_verify(self.draft, self.d_cache, lagging, blocks, [len(b) for b in blocks],
+        ragged_verify(self.draft, self.d_cache, lagging, blocks, [len(b) for b in blocks],
                        np.ones(len(lagging), bool), last=True)  # no logits reach the host
         for row, block in zip(lagging, blocks, strict=True):
             row.draft_fed.extend(block)
@@ -312,7 +313,7 @@ class BatchDecoder:
         if not model_rows or self.draft is None:
             return drafts, {}, 0.0, set(), 0.0
         catch_up = self._catch_up(model_rows)
-        model, probs, seconds = _draft(self.draft, self.d_cache, model_rows, ks, self.compact,
+        model, probs, seconds = draft_rows(self.draft, self.d_cache, model_rows, ks, self.compact,
                                        self.plan.draft_p_min)
         drafts.update(model)
         return drafts, probs, seconds, {r.index for r in model_rows}, catch_up
@@ -345,7 +346,7 @@ class BatchDecoder:
         # Greedy rows get argmax ids (from the device when the backend takes them there); the
         # others get their logits rows, in order.
         greedy = np.asarray([r.sampler.greedy for r in fed], bool)
-        ids, logits = _ragged_verify(self.target, self.t_cache, fed, blocks,
+        ids, logits = ragged_verify(self.target, self.t_cache, fed, blocks,
                                      [len(b) if r.reason is None else 0
                                       for r, b in zip(fed, blocks, strict=True)], greedy)
         verify_s = time.perf_counter() - t1
@@ -450,106 +451,3 @@ def _prefill_first(model: OrtModel, cache: KVCache, index: int, row: BatchRow) -
     if row.sampler.greedy:
         return row.sampler.verify_ids(np.zeros(0, np.int64), ids[0])
     return row.sampler.verify(np.zeros(0, np.int64), None, logits[0, -1:], 0)
-
-
-def _draft(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks: dict[int, int],
-           compact: bool, p_min: float
-           ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], float]:
-    """Propose ks[row] tokens with the draft model for each of `rows`; returns drafts, draft
-    probabilities (random-sampling rows) and seconds in the draft model.
-
-    With `compact`, a draft call feeds only the rows still drafting at that position; otherwise
-    every row stays in the call (the others with a masked dummy token). A row whose draft's
-    confidence falls under `p_min` stops drafting there (`ks` is updated)."""
-    assert cache is not None
-    drafts: dict[int, list[int]] = {r.index: [] for r in rows}
-    probs: dict[int, list[np.ndarray]] = {r.index: [] for r in rows}
-    seconds = 0.0
-    for position in range(max(ks[r.index] for r in rows)):
-        active = [r for r in rows if ks[r.index] > position]
-        if not active:
-            break
-        feed_rows = active if compact else rows
-        blocks = []
-        for row in feed_rows:
-            if ks[row.index] <= position:
-                blocks.append([0])
-            elif position == 0:
-                blocks.append(row.tokens[len(row.draft_fed):])
-            else:
-                blocks.append([drafts[row.index][-1]])
-        lens = [len(b) if ks[r.index] > position else 0
-                for r, b in zip(feed_rows, blocks, strict=True)]
-        # Greedy rows without a confidence cut-off need only the argmax of their last fed
-        # position (taken on the device when the backend does): the same token draft_token
-        # picks, whose confidence nothing compares.
-        greedy = np.asarray([r.sampler.greedy and p_min <= 0 for r in feed_rows], bool)
-        t0 = time.perf_counter()
-        if greedy.any():
-            ids, logits = _ragged_verify(model, cache, feed_rows, blocks, lens, greedy,
-                                         last=True)
-        else:
-            ids, logits = np.zeros((len(feed_rows), 1), np.int64), _ragged(
-                model, cache, feed_rows, blocks, lens)
-        seconds += time.perf_counter() - t0
-        sampled_row = np.cumsum(~greedy) - 1  # feed row i -> its row in `logits`
-        for i, row in enumerate(feed_rows):
-            if lens[i] == 0:
-                continue
-            row.draft_fed.extend(blocks[i])
-            if greedy[i]:
-                pick = int(ids[i, 0])
-                token = pick if model.vocab_ids is None else int(model.vocab_ids[pick])
-                drafts[row.index].append(token)
-                continue
-            token, p, confidence = row.sampler.draft_token(
-                logits[sampled_row[i], lens[i] - 1], row.position + position, model.vocab_ids)
-            if confidence < p_min:
-                ks[row.index] = position  # the draft doubts it: this row stops drafting
-                continue
-            if p is not None:
-                probs[row.index].append(p)
-            drafts[row.index].append(token)
-    stacked = {i: np.stack(p) for i, p in probs.items() if p}
-    return drafts, stacked, seconds
-
-
-def _ragged_verify(model: OrtModel, cache: KVCache, feed_rows: list[BatchRow],
-                   blocks: list[list[int]], lens: list[int], greedy: np.ndarray,
-                   last: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """`_ragged` for greedy rows: argmax ids `[rows, width]` (`[rows, 1]`, each row's last fed
-    position, with `last`) for the greedy rows and the logits of the others
-    `[count(~greedy), width, vocab]` (`OrtModel.forward_rows_greedy`)."""
-    tokens, index, lens_arr = _block_arrays(feed_rows, blocks, lens)
-    if (lens_arr == 0).any():
-        saved = cache.lengths.copy()
-        out = model.forward_rows_greedy(cache, index, tokens, np.maximum(lens_arr, 1), greedy,
-                                        last=last)
-        dead = index[lens_arr == 0]
-        cache.lengths[dead] = saved[dead]
-        return out
-    return model.forward_rows_greedy(cache, index, tokens, lens_arr, greedy, last=last)
-
-
-def _block_arrays(feed_rows: list[BatchRow], blocks: list[list[int]], lens: list[int]
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Padded tokens `[rows, width]`, the rows' cache slots and their lengths fed."""
-    width = max(len(b) for b in blocks)
-    tokens = np.zeros((len(feed_rows), width), np.int64)
-    for i, block in enumerate(blocks):
-        tokens[i, :len(block)] = block
-    return tokens, np.asarray([r.index for r in feed_rows]), np.asarray(lens, np.int64)
-
-
-def _ragged(model: OrtModel, cache: KVCache, feed_rows: list[BatchRow], blocks: list[list[int]],
-            lens: list[int]) -> np.ndarray:
-    """One call: row `feed_rows[i]` gets `blocks[i][:lens[i]]`; a row with lens 0 is fed a
-    masked dummy token whose keys/values are not kept (compact=False)."""
-    tokens, index, lens_arr = _block_arrays(feed_rows, blocks, lens)
-    if (lens_arr == 0).any():
-        saved = cache.lengths.copy()
-        logits = model.forward_rows(cache, index, tokens, np.maximum(lens_arr, 1))
-        dead = index[lens_arr == 0]
-        cache.lengths[dead] = saved[dead]
-        return logits
-    return model.forward_rows(cache, index, tokens, lens_arr)
