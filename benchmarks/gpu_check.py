@@ -969,6 +969,11 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
         print(f"batch {info.name} B={batch}: " + ", ".join(
             f"{k} {v['tokens_per_s']:.0f} tok/s ({v['tokens_per_s'] / base:.2f}x)"
             for k, v in row.items() if isinstance(v, dict) and "tokens_per_s" in v))
+    if info.real_weights and pair.draft is not None and until - time.time() > (
+            15 if not plan.smoke else 3):
+        result["slot_prefix"] = guarded(result, "the batch's kept prefixes", slot_prefix_check,
+                                        pair, ids, new) or {"error": "failed (notes)"}
+        print(f"batch {info.name}: kept prefixes {json.dumps(result['slot_prefix'])}")
     # What the device cache saves: B=8 (or the largest B run) with the cache on the host, the
     # whole valid cache crossing to the device and back every call.
     done = [int(b) for b in result["rows"]]
@@ -987,6 +992,42 @@ def batch_sweep(plan: Plan, info: PairInfo, name: str, until: float) -> None:
                     "equal_to_device_kv": outs == outputs[(batch, label)]}
         print(f"batch {info.name} B={batch}, KV cache on the host: {result['host_kv']}")
     write_part(plan, name, result)
+
+
+def slot_prefix_check(pair: Any, ids: list[list[int]], new: int, turns: int = 4
+                      ) -> dict[str, Any]:
+    """Two chats at once in a continuous batch of two slots (each turn: the last prompt, its
+    output, prefilled ahead into its slot, and a next message) that keeps prefixes in its free
+    slots, against one that keeps none: the same tokens every turn (greedy, K=2), and the
+    prompt tokens each request reused (`runtime/slot_prefix`)."""
+    from specedge.runtime.pair import GenerationConfig
+    from specedge.runtime.serving import ContinuousBatch
+
+    config = GenerationConfig(max_new_tokens=new, drafter="model", num_draft_tokens=2,
+                              adaptive=False)
+    outputs: dict[bool, list[list[int]]] = {}
+    reused: list[int] = []
+    for keep in (True, False):
+        server = ContinuousBatch(pair, capacity=2, keep_prefixes=keep, drafter="model",
+                                 num_draft_tokens=2, adaptive=False)
+        chats: list[list[int]] = [[], []]
+        for i, chat in enumerate(chats):  # first prompts longer than a chunk: turn 2 reuses
+            while len(chat) < 140:
+                chat += ids[(i + len(chat)) % len(ids)]
+        got: list[list[int]] = []
+        for turn in range(turns):
+            rids = [server.submit_ids(chat, config) for chat in chats]
+            done = server.run()
+            for i, rid in enumerate(rids):
+                got.append(done[rid].tokens)
+                history = chats[i] + done[rid].tokens
+                if keep:
+                    reused.append(done[rid].stats.cached_tokens)
+                    server.prefill_ahead(history)
+                chats[i] = history + ids[(2 + 2 * turn + i) % len(ids)][:24]
+        outputs[keep] = got
+    return {"equal": sum(a == b for a, b in zip(outputs[True], outputs[False], strict=True)),
+            "generations": len(outputs[True]), "reused": reused}
 
 
 def guarded(result: dict[str, Any], what: str, run: Any, *args: Any, **kwargs: Any) -> Any:

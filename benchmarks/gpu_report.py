@@ -179,6 +179,14 @@ def batch_bars(data: dict[str, Any]) -> list[dict[str, Any]]:
     out = [{"bar": "batched greedy rows == their batch-1 runs, token for token (issue 19)",
             "measured": "all equal" if not bad else "; ".join(bad),
             "passed": not bad}]
+    slots = data.get("batch-reference", {}).get("slot_prefix")
+    if slots:
+        ok = "error" not in slots
+        out.append({"bar": "a continuous batch's kept prefixes: chats decode as from empty rows",
+                    "measured": (f"{slots['equal']}/{slots['generations']} generations equal; "
+                                 f"prompt tokens reused {slots['reused']}") if ok
+                                else slots["error"][:200],
+                    "passed": slots["equal"] == slots["generations"] if ok else None})
     worst = None
     for b, r in rows.items():
         base, adaptive = r.get("target-only", {}), r.get("adaptive", {})

@@ -48,6 +48,9 @@ def test_cpu_smoke_runs_every_phase(tmp_path: Path, fixtures_dir: Path) -> None:
     # the batched reference decoded with its in-place draft replaying (fixed buffers here)
     reference = data["batch-reference"]["rows"]
     assert all(r["K=2, draft graphs"]["equal_to_batch1"] == int(b) for b, r in reference.items())
+    # chats in a continuous batch that keeps prefixes in its free slots: exact, and reused
+    slots = data["batch-reference"]["slot_prefix"]
+    assert slots["equal"] == slots["generations"] > 0 and max(slots["reused"]) > 0, slots
     # its draft's steps timed plain and on fixed buffers (CUDA graphs on a GPU)
     assert all({"draft_step", "draft_step_graph"} <= set(r["costs"]) for r in shaped.values())
     # and the host's greedy share of a call, which the predicted bar adds to each verify
