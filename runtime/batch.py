@@ -42,9 +42,10 @@ from .drafters import AdaptiveK, new_tuner, ngram_for, take_ngram
 from .errors import InputError
 from .kvcache import KVCache
 from .policy import DecodePlan
+from .prefix_cache import prefill_chunks
 from .rounds import RowOutput, RowSampler, draft_budget, fed_prefix
 from .sampling import SamplingParams
-from .slot_prefix import Held, SlotPrefixes, extend_end, feed_row, prefill_row_first
+from .slot_prefix import Held, SlotPrefixes, extend_end, feed_row
 from .stats import GenerationStats
 
 
@@ -88,6 +89,23 @@ class BatchStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+
+@dataclass
+class _Joining:
+    """A row whose prefill is under way (`BatchDecoder.prefill`): its slot is taken, it is not
+    in the rounds yet. `draft_from`: the draft prompt tokens its slot held."""
+
+    row: BatchRow
+    draft_from: int
+    drafting: bool = False  # the target's prefill is done, the draft's under way
+    seconds: float = 0.0
+    draft_s: float = 0.0
+
+    def add_time(self, seconds: float) -> None:
+        self.seconds += seconds
+        if self.drafting:
+            self.draft_s += seconds
 
 
 @dataclass
@@ -150,6 +168,7 @@ class BatchDecoder:
         self.t_cache = target.new_cache(capacity, self.limit)
         self.d_cache = self.draft.new_cache(capacity, self.limit) if self.draft else None
         self.slots: list[BatchRow | None] = [None] * capacity
+        self.joining: list[_Joining] = []  # rows whose prefill is under way, oldest first
         self.prefixes = SlotPrefixes(capacity, keep=keep_prefixes)
         self.compact = compact
         # `tuner`: a warm AdaptiveK (costs and acceptance learned earlier at this batch size).
@@ -161,74 +180,135 @@ class BatchDecoder:
         return [r for r in self.slots if r is not None and r.reason is None]
 
     def has_room(self) -> bool:
-        return any(r is None for r in self.slots)
+        return bool(self.free)
 
     @property
     def free(self) -> list[int]:
-        return [i for i, r in enumerate(self.slots) if r is None]
+        """Slots neither decoding nor joining."""
+        taken = {j.row.index for j in self.joining}
+        return [i for i, r in enumerate(self.slots) if r is None and i not in taken]
 
     def add(self, request: RowRequest) -> BatchRow:
         """Prefill `request` into a free slot (the one that holds the most of its prompt); it
-        takes part from the next round on."""
+        takes part from the next round on. (`join` and `prefill`, with nothing else joining.)"""
+        row = self.join(request)
+        self.prefill()
+        return row
+
+    def join(self, request: RowRequest) -> BatchRow:
+        """Take a free slot for `request` (the one that holds the most of its prompt); its
+        prefill runs in `prefill`, after which it takes part in the rounds."""
         if not self.free:
             raise InputError(f"the batch is full ({len(self.slots)} rows); release a finished "
                              "row first")
         if not request.prompt:
             raise InputError("the prompt has no tokens")
         replace(self.plan, limit=self.limit).check_prompt(len(request.prompt))
-        try:
-            return self._add(request)
-        except BaseException:
-            self.prefixes.forget()  # a failed call: what the free rows hold is not trusted
-            raise
-
-    def _add(self, request: RowRequest) -> BatchRow:
         slot, reused = self.prefixes.choose(self.free, request.prompt)
         draft_reused = self.prefixes.draft_reuse(slot, request.prompt)
         self.prefixes.take(slot)
         row = BatchRow(slot, len(request.prompt), list(request.prompt),
                        RowSampler(request.params, self.target.spec.vocab_size), request.output,
                        GenerationStats(prompt_tokens=len(request.prompt), cached_tokens=reused))
-        t0 = time.perf_counter()
         self.t_cache.lengths[slot] = reused
-        # The prefill's last logits give the first token (as in batch 1): no extra call.
-        first = _prefill_first(self.target, self.t_cache, slot, row)
+        if self.d_cache is not None:  # a batched draft step may feed the slot a dummy there
+            self.d_cache.lengths[slot] = draft_reused
+        self.joining.append(_Joining(row, draft_reused))
+        return row
+
+    def prefill(self, budget: int | None = None) -> list[BatchRow]:
+        """Run the joining rows' prefill calls, oldest row first, in chunks (the target's, then
+        the draft's), up to `budget` tokens (None: all; at least one call); returns the rows
+        that joined the rounds. A budget keeps the live rows' rounds coming while a long
+        prompt joins (chunked prefill); the calls are the same whatever the budget."""
+        joined: list[BatchRow] = []
+        spent = 0
+        while self.joining:
+            join = self.joining[0]
+            width = self._next_width(join)
+            if spent and budget is not None and spent + width > budget:
+                break
+            spent += width
+            try:
+                ready = self._prefill_next(join)
+            except BaseException:
+                self.joining.remove(join)
+                self.prefixes.forget()  # a failed call: what the free rows hold is not trusted
+                raise
+            if ready:
+                self.joining.pop(0)
+                self._go_live(join)
+                joined.append(join.row)
+        return joined
+
+    def _next_width(self, join: _Joining) -> int:
+        cache = self.d_cache if join.drafting else self.t_cache
+        assert cache is not None
+        a, b = prefill_chunks(int(cache.lengths[join.row.index]), join.row.prompt_len)[0]
+        return b - a
+
+    def _prefill_next(self, join: _Joining) -> bool:
+        """One prefill call of a joining row; True when the row is ready for the rounds. The
+        target's last call gives the first token (as in batch 1: no extra call); the draft is
+        then fed the prompt unless the row is finished already or adaptive K drafts nothing
+        (the draft's first call, if drafting resumes, feeds it: a catch-up the tuner weighs)."""
+        row, t0 = join.row, time.perf_counter()
+        slot, end = row.index, row.prompt_len
+        model, cache = ((self.draft, self.d_cache) if join.drafting else
+                        (self.target, self.t_cache))
+        assert model is not None and cache is not None
+        a, b = prefill_chunks(int(cache.lengths[slot]), end)[0]
+        block = np.asarray([row.tokens[a:b]], np.int64)
+        if b < end:
+            model.feed_rows(cache, np.asarray([slot]), block, np.asarray([b - a]))
+            join.add_time(time.perf_counter() - t0)
+            return False
+        if join.drafting:
+            model.feed_rows(cache, np.asarray([slot]), block, np.asarray([b - a]))
+            join.add_time(time.perf_counter() - t0)
+            row.draft_fed = list(row.tokens[:-1])
+            row.draft_stable = len(row.draft_fed)
+            row.draft_prefilled = True
+            if self.tuner is not None:
+                self.tuner.add_probe_cost(join.draft_s)
+                # one row's prompt (what a kept prefix did not hold)
+                self.tuner.record_feed(end - join.draft_from, join.draft_s)
+            return True
+        first = _first_token(model, cache, slot, row, block)
         row.tokens.extend(int(t) for t in first)
         row.output.push(first)
         if not row.output.done and len(row.tokens) >= self.limit:
             row.output.stop_at("context")
         row.stats.new_tokens = len(row.generated)
-        if self.draft is not None and self.d_cache is not None:
+        join.add_time(time.perf_counter() - t0)
+        if self.d_cache is None or row.output.done:
+            return True
+        if self.tuner is not None and self.tuner.k == 0:
             self.d_cache.lengths[slot] = 0
-            if self.tuner is None or self.tuner.k > 0:
-                t_draft = time.perf_counter()
-                self.d_cache.lengths[slot] = draft_reused
-                feed_row(self.draft, self.d_cache, slot, row.tokens, len(row.tokens) - 1)
-                row.draft_fed = list(row.tokens[:-1])
-                row.draft_stable = len(row.draft_fed)
-                row.draft_prefilled = True
-                if self.tuner is not None:
-                    fed = time.perf_counter() - t_draft
-                    self.tuner.add_probe_cost(fed)
-                    # one row's prompt (what a kept prefix did not hold)
-                    self.tuner.record_feed(len(row.draft_fed) - draft_reused, fed)
-            # else: adaptive K decodes without drafts for now; the draft's first call, if
-            # drafting resumes, feeds the row's prompt (its catch-up, which the tuner weighs)
-        row.stats.prefill_s = time.perf_counter() - t0
+            return True
+        join.drafting = True
+        return False
+
+    def _go_live(self, join: _Joining) -> None:
+        row = join.row
+        row.stats.prefill_s = join.seconds
         row.started = time.perf_counter()
-        self.totals.prefill_s += row.stats.prefill_s
+        self.totals.prefill_s += join.seconds
         self.totals.rows += 1
         self.totals.new_tokens += len(row.generated)
         row.counted = len(row.generated)
-        self.slots[slot] = row
+        self.slots[row.index] = row
         if self.tuner is not None:  # its next choice compares costs at the rows live now
             self.tuner.rows = len(self.live)
-        return row
 
     def release(self, row: BatchRow) -> None:
         """Free a finished row's slot for a new request; the slot keeps the whole prefill
-        chunks of the row's prompt."""
-        if self.slots[row.index] is row:
+        chunks of the row's prompt (nothing, for a row released while it was joining)."""
+        joining = next((j for j in self.joining if j.row is row), None)
+        if joining is not None:
+            self.joining.remove(joining)
+            self._hold(row.index, self.prefixes.release(row.index, (), draft_prefilled=False))
+        elif self.slots[row.index] is row:
             self.slots[row.index] = None
             held = self.prefixes.release(row.index, row.tokens[:row.prompt_len],
                                          draft_prefilled=row.draft_prefilled)
@@ -443,11 +523,13 @@ def _lag(row: BatchRow) -> int:
     return len(row.tokens) - 1 - len(row.draft_fed)
 
 
-def _prefill_first(model: OrtModel, cache: KVCache, index: int, row: BatchRow) -> np.ndarray:
-    """Prefill row `index` with its prompt after the row's valid length (a kept prefix, or
-    none) in chunks; returns its first token `[1]` (from argmax ids for a greedy row, so its
-    prefill's logits need not reach the host)."""
-    ids, logits = prefill_row_first(model, cache, index, row.tokens, row.sampler.greedy)
+def _first_token(model: OrtModel, cache: KVCache, index: int, row: BatchRow,
+                 block: np.ndarray) -> np.ndarray:
+    """Feed row `index` the last chunk `block` `[1, n]` of its prompt; returns its first token
+    `[1]` (from argmax ids for a greedy row, so the logits need not reach the host)."""
+    ids, logits = model.forward_rows_greedy(cache, np.asarray([index]), block,
+                                            np.asarray([block.shape[1]]),
+                                            np.asarray([row.sampler.greedy]), last=True)
     if row.sampler.greedy:
         return row.sampler.verify_ids(np.zeros(0, np.int64), ids[0])
     return row.sampler.verify(np.zeros(0, np.int64), None, logits[0, -1:], 0)

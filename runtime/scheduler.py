@@ -54,6 +54,8 @@ class SchedulerOptions:
         max_context: prompt + generated tokens per job (also sizes the batch's KV cache).
         drafter, num_draft_tokens, adaptive: the decoding plan (None: the pair's defaults).
         warmup_tokens: tokens `warm_up` decodes (0: none).
+        prefill_budget: prompt tokens a batch prefills between two rounds while rows decode
+            (0: whole prompts at once).
     """
 
     max_batch: int = 4
@@ -64,6 +66,7 @@ class SchedulerOptions:
     num_draft_tokens: int | None = None
     adaptive: bool | None = None
     warmup_tokens: int = 8
+    prefill_budget: int = 256
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,8 @@ class _BatchEngine:
         o = self.options
         return ContinuousBatch(self.pair, capacity=o.max_batch, max_len=o.max_context,
                                drafter=o.drafter, num_draft_tokens=o.num_draft_tokens,
-                               adaptive=o.adaptive, keep_prefixes=self.pair.prefixes.size > 0)
+                               adaptive=o.adaptive, keep_prefixes=self.pair.prefixes.size > 0,
+                               prefill_budget=o.prefill_budget or None)
 
     @property
     def running(self) -> int:

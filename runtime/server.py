@@ -93,6 +93,8 @@ class ServerOptions:
         drafter, num_draft_tokens, adaptive: the decoding plan (None: the pair's defaults).
         warmup_tokens: tokens decoded for a short prompt at startup, before the server listens
             (0: none), so the first request does not pay for cold sessions and a cold tuner.
+        prefill_budget: prompt tokens a batching server prefills between two rounds while
+            requests decode (0: whole prompts at once; `ContinuousBatch`).
     """
 
     host: str = "127.0.0.1"
@@ -110,6 +112,7 @@ class ServerOptions:
     num_draft_tokens: int | None = None
     adaptive: bool | None = None
     warmup_tokens: int = 8
+    prefill_budget: int = 256
 
     def __post_init__(self) -> None:
         checks = [("port", self.port, 0, 65535), ("max_batch", self.max_batch, 1, 256),
@@ -117,7 +120,8 @@ class ServerOptions:
                   ("max_queue", self.max_queue, 0, 100_000),
                   ("max_tokens_limit", self.max_tokens_limit, 1, 1_000_000),
                   ("max_context", self.max_context, 2, 1_000_000),
-                  ("max_body_bytes", self.max_body_bytes, 1024, 1 << 30)]
+                  ("max_body_bytes", self.max_body_bytes, 1024, 1 << 30),
+                  ("prefill_budget", self.prefill_budget, 0, 1_000_000)]
         for name, value, lo, hi in checks:
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise InputError(f"server option {name} must be an integer in [{lo}, {hi}], "
@@ -136,7 +140,8 @@ class ServerOptions:
                                 request_timeout_s=self.request_timeout_s,
                                 max_context=self.max_context, drafter=self.drafter,
                                 num_draft_tokens=self.num_draft_tokens, adaptive=self.adaptive,
-                                warmup_tokens=self.warmup_tokens)
+                                warmup_tokens=self.warmup_tokens,
+                                prefill_budget=self.prefill_budget)
 
 
 @dataclass

@@ -108,17 +108,6 @@ def feed_row(model: OrtModel, cache: KVCache, slot: int, ids: Sequence[int], end
                             np.asarray([b - a]))
 
 
-def prefill_row_first(model: OrtModel, cache: KVCache, slot: int, ids: Sequence[int],
-                      greedy: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Prefill row `slot` with `ids` after its valid length in `prefill_chunks`; returns the
-    last position's argmax `[1, 1]` (greedy) and its logits (`forward_rows_greedy`'s)."""
-    start = int(cache.lengths[slot])
-    a, b = prefill_chunks(start, len(ids))[-1]
-    feed_row(model, cache, slot, ids, a)
-    return model.forward_rows_greedy(cache, np.asarray([slot]), np.asarray([ids[a:b]], np.int64),
-                                     np.asarray([b - a]), np.asarray([greedy]), last=True)
-
-
 def extend_end(ids: Sequence[int], limit: int) -> int:
     """How far `BatchDecoder.prefill_ahead` prefills `ids`: their whole chunks, below the
     context `limit` (a row needs room for at least one more token)."""

@@ -71,6 +71,11 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
 @click.option("--model-name", default=None, help="Model id for clients (default: PAIR's name).")
 @click.option("--max-batch", default=4, show_default=True, type=click.IntRange(1, 256),
               help="Requests decoding together (concat-form pairs).")
+@click.option("--prefill-budget", default=256, show_default=True,
+              type=click.IntRange(0, 1_000_000),
+              help="Prompt tokens prefilled between two rounds while requests decode "
+                   "(concat-form pairs: a long prompt joins in chunks without stalling the "
+                   "others; 0: whole prompts at once).")
 @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(0, 100_000),
               help="Requests waiting beyond the running ones; more get 429.")
 @click.option("--max-tokens-limit", default=512, show_default=True,
@@ -108,7 +113,8 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
-          max_batch: int, max_queue: int, max_tokens_limit: int, max_context: int,
+          max_batch: int, prefill_budget: int, max_queue: int, max_tokens_limit: int,
+          max_context: int,
           max_body_bytes: int, receive_timeout: float, request_timeout: float,
           warmup_tokens: int, drafter: str | None,
           num_draft_tokens: int | None, no_speculation: bool, adaptive: bool | None,
@@ -140,7 +146,8 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
     try:
         _check_listen(host, port)
         options = ServerOptions(host=host, port=port, api_key=api_key, model_name=model_name,
-                                max_batch=max_batch, max_queue=max_queue,
+                                max_batch=max_batch, prefill_budget=prefill_budget,
+                                max_queue=max_queue,
                                 max_tokens_limit=max_tokens_limit, max_context=max_context,
                                 max_body_bytes=max_body_bytes, receive_timeout_s=receive_timeout,
                                 request_timeout_s=request_timeout,

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specedge.runtime.backend import OrtModel
-from specedge.runtime.errors import ModelError
+from specedge.runtime.errors import InputError, ModelError
 from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
 from specedge.runtime.prefix_cache import PREFILL_CHUNK, kept_prefix, reusable
 from specedge.runtime.sampling import SamplingParams
@@ -170,9 +170,10 @@ def test_a_warm_row_makes_the_cold_rows_last_prefill_calls(concat: Pair,
                                                            monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     """Exact by construction: a row that joins after a kept prefix feeds the target exactly
-    the calls (past, width) a cold row's prefill ends with, and the draft likewise."""
+    the calls (past, width) a cold row's prefill ends with, and the draft likewise (then the
+    same decoding calls)."""
     earlier = np.random.default_rng(3).integers(0, 300, 2 * C + 40).tolist()
-    config = GenerationConfig(max_new_tokens=1, drafter="model", adaptive=False)
+    config = GenerationConfig(max_new_tokens=2, drafter="model", adaptive=False)
     for prompt in (earlier[:2 * C + 5] + [7] * 30, earlier + [1], earlier[:C + 2] + [2] * 9):
         seen = {}
         for keep in (False, True):
@@ -188,7 +189,9 @@ def test_a_warm_row_makes_the_cold_rows_last_prefill_calls(concat: Pair,
         assert none == 0 and cached == reusable(kept_prefix(earlier), prompt) > 0
         assert warm_t[0][0] == cached and warm_t == cold_t[-len(warm_t):]
         assert warm_d[0][0] == cached and warm_d == cold_d[-len(warm_d):]
-        assert all(p % C + n <= C for p, n in cold_t)  # no call crosses a chunk boundary
+        prefill = [(p, n) for p, n in cold_t + cold_d if p + n <= len(prompt)]
+        assert all(p % C + n <= C for p, n in prefill)  # no call crosses a chunk boundary
+        assert sum(n for _, n in prefill) == 2 * len(prompt)
 
 
 def test_a_failed_round_forgets_every_kept_prefix(concat: Pair,
@@ -210,6 +213,64 @@ def test_a_failed_round_forgets_every_kept_prefix(concat: Pair,
     assert all(h.target == () for h in server.decoder.prefixes.held)
     again = _turns(server, [prompt], config)[0]
     assert again.tokens == first.tokens and again.stats.cached_tokens == 0
+
+
+# ------------------------------------------------------------------------------- chunked prefill
+
+
+@pytest.mark.parametrize("sampling", list(CONFIGS))
+def test_a_long_prompt_joins_in_chunks_while_a_row_decodes(concat: Pair, sampling: str) -> None:
+    """A long prompt joining a decoding batch is prefilled over several rounds, at most
+    `prefill_budget` tokens (or one chunk) between two rounds, and the decoding row gets a
+    round every step meanwhile; every output is the same whatever the budget, and the batch-1
+    output."""
+    rng = np.random.default_rng(9)
+    short, long = rng.integers(0, 300, 20).tolist(), rng.integers(0, 300, 3 * C + 50).tolist()
+    running = GenerationConfig(max_new_tokens=100, drafter="model", num_draft_tokens=2,
+                               adaptive=False, sampling=CONFIGS[sampling])
+    joining = GenerationConfig(max_new_tokens=8, drafter="model", num_draft_tokens=2,
+                               adaptive=False, sampling=CONFIGS[sampling])
+    outputs, steps = {}, {}
+    for budget in (None, C, 2 * C, 1):
+        server = ContinuousBatch(concat, capacity=2, drafter="model", num_draft_tokens=2,
+                                 adaptive=False, prefill_budget=budget)
+        first = server.submit_ids(short, running)
+        done = dict(server.step())
+        second = server.submit_ids(long, joining)
+        (row,) = [r for p, r in server.running.values() if p.request_id == first]
+        steps[budget] = 0
+        while not any(r is not None and r.stats.prompt_tokens == len(long)
+                      for r in server.decoder.slots):
+            before = len(row.generated)
+            done.update(server.step())
+            steps[budget] += 1
+            assert len(row.generated) > before  # the decoding row was not stalled
+        done.update(server.run())
+        outputs[budget] = (done[first].tokens, done[second].tokens)
+    # target 128 + 128 + 128 + 50 tokens, then the draft's same four calls
+    assert steps == {None: 1, C: 8, 2 * C: 4, 1: 8}
+    assert all(o == outputs[None] for o in outputs.values())
+    assert outputs[None] == (concat.generate_ids(short, running)[0],
+                             concat.generate_ids(long, joining)[0])
+    with pytest.raises(InputError, match="prefill_budget"):
+        ContinuousBatch(concat, prefill_budget=0)
+
+
+def test_a_row_cancelled_while_joining_frees_its_slot(concat: Pair) -> None:
+    rng = np.random.default_rng(10)
+    config = GenerationConfig(max_new_tokens=30, drafter="none")
+    server = ContinuousBatch(concat, capacity=2, drafter="none", prefill_budget=C)
+    first = server.submit_ids(rng.integers(0, 300, 10).tolist(), config)
+    server.step()
+    long = rng.integers(0, 300, 3 * C).tolist()
+    second = server.submit_ids(long, config)
+    server.step()  # its first chunk only
+    assert server.decoder.joining and server.cancel(second)
+    assert not server.decoder.joining and len(server.decoder.free) == 1
+    third = server.submit_ids(long, config)
+    done = server.run()
+    assert sorted(done) == [first, third] and done[third].stats.cached_tokens == 0
+    assert done[third].tokens == concat.generate_ids(long, config)[0]
 
 
 # ------------------------------------------------------------------------------- server
