@@ -704,6 +704,7 @@ def test_the_server_warms_up_before_it_listens(pairs: dict[str, Pair], form: str
 def test_server_options_are_checked() -> None:
     for bad in ({"max_batch": 0}, {"max_body_bytes": 10}, {"api_key": " "}, {"warmup_tokens": -1},
                 {"request_timeout_s": 0}, {"receive_timeout_s": 0},
-                {"receive_timeout_s": float("nan")}, {"receive_timeout_s": "5"}):
+                {"receive_timeout_s": float("nan")}, {"receive_timeout_s": "5"},
+                {"prefill_budget": -1}, {"prefill_budget": True}):
         with pytest.raises(InputError):
             ServerOptions(**bad)

@@ -284,9 +284,10 @@ def test_the_batching_server_reuses_a_conversation(concat_dir: Path, concat: Pai
     messages = [{"role": "system", "content": "You are a helpful assistant. " * 12},
                 {"role": "user", "content": "Hello there"}]
     seen: dict[int, list[int]] = {}
-    for size in (1, 0):
+    for size in (1, 0):  # with a small prefill budget, then whole prompts
         app = create_app(Pair.load(concat_dir, prefix_cache=size),
-                         ServerOptions(max_tokens_limit=64, warmup_tokens=0, max_batch=2))
+                         ServerOptions(max_tokens_limit=64, warmup_tokens=0, max_batch=2,
+                                       prefill_budget=size and 64))
         history = list(messages)
         with running(app) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
