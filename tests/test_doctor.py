@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from specedge.doctor_cli import doctor
 from specedge.runtime import doctor as doc
+from specedge.runtime import machine
 from specedge.runtime.errors import InputError
 
 HAS_GPU = shutil.which("nvidia-smi") is not None
@@ -31,44 +32,45 @@ TEGRA = ("# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: 
 
 
 def test_parse_nvidia_smi_rows_and_old_drivers_without_compute_cap() -> None:
-    gpus = doc.parse_nvidia_smi(SMI)
+    gpus = machine.parse_nvidia_smi(SMI)
     assert [(g.index, g.name, g.compute_capability, g.memory_mib, g.driver) for g in gpus] == [
         (0, "NVIDIA H200", "9.0", 143771, "580.159.03"),
         (1, "NVIDIA GeForce RTX 4090", "8.9", 24564, "580.159.03")]
-    old = doc.parse_nvidia_smi("0, Tesla T4, 15360, 470.82.01\n")
+    old = machine.parse_nvidia_smi("0, Tesla T4, 15360, 470.82.01\n")
     assert old[0].compute_capability is None and old[0].memory_mib == 15360
-    assert doc.parse_nvidia_smi("No devices were found\n") == []
-    assert doc.parse_nvidia_smi("0, Orin, [N/A], [N/A], 540.4.0")[0].memory_mib is None
+    assert machine.parse_nvidia_smi("No devices were found\n") == []
+    assert machine.parse_nvidia_smi("0, Orin, [N/A], [N/A], 540.4.0")[0].memory_mib is None
 
 
 def test_jetson_release_parsing_and_jetpack_mapping() -> None:
-    assert doc.parse_nv_tegra_release(TEGRA) == "36.4.3"
-    assert doc.parse_nv_tegra_release("# R35 (release), REVISION: 4.1, GCID: 1") == "35.4.1"
-    assert doc.parse_nv_tegra_release("# R38 (release), REVISION: 2, GCID: 1") == "38.2.0"
-    assert doc.parse_nv_tegra_release("garbage") is None
-    assert doc.jetpack_for_l4t("36.4.3") == "6.2"
-    assert doc.jetpack_for_l4t("36.9.9") == "6.x"
-    assert doc.jetpack_for_l4t("38.2.0") == "7.0"
-    assert doc.jetpack_for_l4t(None) is None
-    assert doc.parse_dpkg_jetpack("nvidia-jetpack\t6.2+b77\n") == "6.2"
-    assert doc.parse_dpkg_jetpack("dpkg-query: no packages found matching nvidia-jetpack") is None
+    assert machine.parse_nv_tegra_release(TEGRA) == "36.4.3"
+    assert machine.parse_nv_tegra_release("# R35 (release), REVISION: 4.1, GCID: 1") == "35.4.1"
+    assert machine.parse_nv_tegra_release("# R38 (release), REVISION: 2, GCID: 1") == "38.2.0"
+    assert machine.parse_nv_tegra_release("garbage") is None
+    assert machine.jetpack_for_l4t("36.4.3") == "6.2"
+    assert machine.jetpack_for_l4t("36.9.9") == "6.x"
+    assert machine.jetpack_for_l4t("38.2.0") == "7.0"
+    assert machine.jetpack_for_l4t(None) is None
+    assert machine.parse_dpkg_jetpack("nvidia-jetpack\t6.2+b77\n") == "6.2"
+    missing = "dpkg-query: no packages found matching nvidia-jetpack"
+    assert machine.parse_dpkg_jetpack(missing) is None
 
 
 def test_jetson_wheel_advice_per_jetpack() -> None:
-    assert "pypi.jetson-ai-lab.io/jp6/cu126" in doc.jetson_advice("6.2")
-    assert "CUDA 13" in doc.jetson_advice("7.0")
-    assert "upgrade to JetPack 6" in doc.jetson_advice("5.1.2")
-    assert "pypi.jetson-ai-lab.io" in doc.jetson_advice(None)
+    assert "pypi.jetson-ai-lab.io/jp6/cu126" in machine.jetson_advice("6.2")
+    assert "CUDA 13" in machine.jetson_advice("7.0")
+    assert "upgrade to JetPack 6" in machine.jetson_advice("5.1.2")
+    assert "pypi.jetson-ai-lab.io" in machine.jetson_advice(None)
 
 
 def test_detect_jetson_on_a_fake_tree(tmp_path: Path) -> None:
-    assert doc.detect_jetson(tmp_path) is None
+    assert machine.detect_jetson(tmp_path) is None
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "nv_tegra_release").write_text(TEGRA)
     (tmp_path / "proc" / "device-tree").mkdir(parents=True)
     (tmp_path / "proc" / "device-tree" / "model").write_text(
         "NVIDIA Jetson Orin Nano Engineering Reference Developer Kit Super\x00")
-    info = doc.detect_jetson(tmp_path)
+    info = machine.detect_jetson(tmp_path)
     assert info is not None and info.l4t == "36.4.3"
     assert info.model and info.model.startswith("NVIDIA Jetson Orin Nano")
     # dpkg-query answers for the machine the test runs on: only a real Jetson names its own
@@ -78,7 +80,7 @@ def test_detect_jetson_on_a_fake_tree(tmp_path: Path) -> None:
 def test_library_statuses_from_a_fake_locator() -> None:
     found = {"libcuda.so.1": ("loadable", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
              "libcudart.so.13": ("pip only", "/venv/site-packages/nvidia/cu13/lib")}
-    libs = doc.library_statuses(13, lambda s: found.get(s, ("missing", None)))
+    libs = machine.library_statuses(13, lambda s: found.get(s, ("missing", None)))
     by_name = {lib.soname: lib for lib in libs}
     assert set(by_name) >= {"libcudart.so.13", "libcublasLt.so.13", "libcufft.so.12",
                             "libcudnn.so.9", "libnvinfer.so.10"}
@@ -87,22 +89,22 @@ def test_library_statuses_from_a_fake_locator() -> None:
         "libcudart.so.13"].fix
     assert "onnxruntime-gpu[cudnn]" in by_name["libcudnn.so.9"].fix
     assert by_name["libnvinfer.so.10"].fix == "pip install tensorrt-cu13-libs"
-    assert "cu12" in {lib.soname: lib for lib in doc.library_statuses(
+    assert "cu12" in {lib.soname: lib for lib in machine.library_statuses(
         12, lambda s: ("missing", None))}["libnvinfer.so.10"].fix
-    jetson = {lib.soname: lib for lib in doc.library_statuses(
+    jetson = {lib.soname: lib for lib in machine.library_statuses(
         12, lambda s: ("missing", None), jetson=True)}
     assert "nvidia-jetpack" in jetson["libcudnn.so.9"].fix
 
 
 def test_provider_fix_names_the_wheel_or_the_first_missing_library() -> None:
-    libs = doc.library_statuses(13, lambda s: ("loadable", "/x") if s != "libcudnn.so.9"
+    libs = machine.library_statuses(13, lambda s: ("loadable", "/x") if s != "libcudnn.so.9"
                                 else ("missing", None))
-    assert doc.provider_fix("cuda", False, libs, None, 13) == doc.GPU_WHEEL
-    assert "tensorrt-cu13-libs" in doc.provider_fix("tensorrt", False, libs, None, 13)
-    assert doc.provider_fix("cuda", True, libs, None, 13).startswith("cuDNN (libcudnn.so.9)")
-    jetson = doc.JetsonInfo("Orin", "36.4.3", "6.2", doc.jetson_advice("6.2"))
-    assert "jp6/cu126" in doc.provider_fix("cuda", False, libs, jetson, 12)
-    assert doc.provider_fix("cpu", True, libs, None, 13) is None
+    assert machine.provider_fix("cuda", False, libs, None, 13) == machine.GPU_WHEEL
+    assert "tensorrt-cu13-libs" in machine.provider_fix("tensorrt", False, libs, None, 13)
+    assert machine.provider_fix("cuda", True, libs, None, 13).startswith("cuDNN (libcudnn.so.9)")
+    jetson = machine.JetsonInfo("Orin", "36.4.3", "6.2", machine.jetson_advice("6.2"))
+    assert "jp6/cu126" in machine.provider_fix("cuda", False, libs, jetson, 12)
+    assert machine.provider_fix("cpu", True, libs, None, 13) is None
 
 
 def test_loader_error_picks_the_missing_library() -> None:
@@ -123,7 +125,7 @@ def test_parse_providers() -> None:
 def test_report_is_frozen_and_failure_line_is_one_line() -> None:
     tests = (doc.SelfTest("cpu", True, "passed"),
              doc.SelfTest("cuda", False, "not in build", message="not in this build",
-                          fix=doc.GPU_WHEEL))
+                          fix=machine.GPU_WHEEL))
     report = doc.DoctorReport("3.11", "Linux x86_64", "1.32.0", ("onnxruntime 1.32.0",), None,
                               "CPU", ("CPUExecutionProvider",), (), "none", (), None, tests,
                               ("cpu", "cuda"))
@@ -210,9 +212,9 @@ def test_cuda_self_test_passes_on_a_gpu() -> None:
 
 
 def test_cuda_major_from_the_build_then_jetpack() -> None:
-    jp6 = doc.JetsonInfo("Orin", "36.4.3", "6.2", "")
-    assert doc._cuda_major("13.0") == 13 and doc._cuda_major("12.6", jp6) == 12
-    assert doc._cuda_major(None, jp6) == 12 and doc._cuda_major(None) == 13
+    jp6 = machine.JetsonInfo("Orin", "36.4.3", "6.2", "")
+    assert machine.cuda_major("13.0") == 13 and machine.cuda_major("12.6", jp6) == 12
+    assert machine.cuda_major(None, jp6) == 12 and machine.cuda_major(None) == 13
 
 
 def test_diagnose_on_a_fake_jetson_gives_the_jetson_wheel(tmp_path: Path) -> None:
