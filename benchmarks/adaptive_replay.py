@@ -10,7 +10,7 @@ round takes the n-gram lookup first (`drafters.NgramDrafter`, `take_ngram`), exa
 `HybridDrafter` does. Each round is charged a cost from a model of measured costs:
 k * draft_step + verify(k + 1), with verify(s) / verify(1) and draft_step / verify(1) measured on
 this device by `bench.measure_costs` (or given), each charge drawn with ±`--noise` so the tuner
-sees noisy measurements as it would live. Adaptive K runs the real `drafters.AdaptiveK`, one
+sees noisy measurements as it would live. Adaptive K runs the real `adaptive.AdaptiveK`, one
 tuner carried across the prompts as `Pair` does (with `new_text` at each prompt).
 
 This is a design tool: it shows what a policy does with the costs it is given. Speed claims
@@ -35,8 +35,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from specedge.runtime.adaptive import AdaptiveK, new_tuner  # noqa: E402
 from specedge.runtime.bench import measure_costs  # noqa: E402
-from specedge.runtime.drafters import AdaptiveK, NgramDrafter, new_tuner, ngram_for, take_ngram  # noqa: E402
+from specedge.runtime.drafters import NgramDrafter, ngram_for, take_ngram  # noqa: E402
 from specedge.runtime.pair import GenerationConfig, Pair  # noqa: E402
 from specedge.runtime.prompts import read_categories, read_prompts  # noqa: E402
 

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .adaptive import AdaptiveK, new_tuner
 from .backend import OrtModel
 from .batch_calls import draft_rows, ragged_verify
-from .drafters import AdaptiveK, new_tuner, ngram_for, take_ngram
+from .drafters import ngram_for, take_ngram
 from .errors import InputError
 from .kvcache import KVCache
 from .policy import DecodePlan

@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from .adaptive import AdaptiveK, new_tuner
 from .backend import OrtModel
 from .batch import BatchStats, RowRequest, decode_batch
 from .detokenize import StopStrings
-from .drafters import AdaptiveK, build_drafter, draft_model_cache, new_tuner
+from .drafters import build_drafter, draft_model_cache
 from .errors import InputError
 from .hugepages import HugePageLoad, HugePageReport
 from .loading import ThreadPlan, load_model, plan_threads

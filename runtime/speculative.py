@@ -13,8 +13,9 @@ from collections.abc import Generator
 
 import numpy as np
 
+from .adaptive import AdaptiveK, new_tuner
 from .backend import OrtModel
-from .drafters import AdaptiveK, Drafter, new_tuner
+from .drafters import Drafter
 from .kvcache import KVCache
 from .policy import DecodePlan
 from .prefix_cache import prefill

@@ -69,7 +69,7 @@ def _scripted_adaptive_k(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
     tuner's own choices are marked `real_tuner`."""
     if request.node.get_closest_marker("real_tuner") is not None:
         return
-    from specedge.runtime.drafters import AdaptiveK
+    from specedge.runtime.adaptive import AdaptiveK
 
     def choose(self: AdaptiveK) -> int:
         return min(self.k_max, TUNER_SCRIPT[self.rounds % len(TUNER_SCRIPT)])

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from specedge.runtime.drafters import AdaptiveK
+from specedge.runtime.adaptive import AdaptiveK
 from specedge.runtime.pair import GenerationConfig, Pair
 
 # The tuner's own choices are under test here (conftest scripts them elsewhere).

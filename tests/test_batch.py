@@ -248,8 +248,8 @@ def test_adaptive_at_k0_defers_the_draft_prefill(concat_pair: Pair) -> None:
     a CPU that prefill was 2.3 s of 16.5 for draft outputs nobody read). When drafting
     resumes, a catch-up feeds the rows' prompts, apart from the drafting calls, and the
     rows stay exactly target-only. (The catch-up: one call, or in place a call per row.)"""
+    from specedge.runtime.adaptive import AdaptiveK
     from specedge.runtime.batch import BatchDecoder, RowRequest
-    from specedge.runtime.drafters import AdaptiveK
 
     cfg = GenerationConfig(max_new_tokens=12, drafter="model", num_draft_tokens=3,
                            adaptive=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specedge.runtime.drafters import AdaptiveK, ModelDrafter, NgramDrafter
+from specedge.runtime.adaptive import AdaptiveK
+from specedge.runtime.drafters import ModelDrafter, NgramDrafter
 from specedge.runtime.errors import InputError
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.policy import resolve_plan

@@ -181,7 +181,7 @@ def test_row_output_cuts_token_by_token(tiny_pair: Pair) -> None:
 
 @pytest.mark.real_tuner
 def test_adaptive_k_keeps_ngram_drafting_on(tiny_pair: Pair) -> None:
-    from specedge.runtime.drafters import new_tuner
+    from specedge.runtime.adaptive import new_tuner
 
     # The fix itself: n-gram drafts are free, so their tuner knows the draft cost up front (the
     # end-to-end check below passed with the fix reverted: a real tuner's choices vary).

@@ -1,0 +1,317 @@
+"""Adaptive draft length: `AdaptiveK` chooses k each round from the measured per-position
+acceptance and the measured costs of a draft step and of verifying k+1 positions (the
+expected-speed-up formula of Leviathan et al., with measured verify cost), and falls back to
+k=0 (target only) when no k is predicted to beat it. Batch 1 (`runtime/speculative`) and
+batches (`runtime/batch`) use it; `Pair` keeps one per (batch size, drafter, k max).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .costs import CostTable
+
+
+class AdaptiveK:
+    """Pick the draft length that maximizes predicted tokens per second, from measurements.
+
+    Model: position i of a round is reached only if drafts 1..i-1 were accepted; a(i) estimates
+    "accepted, given reached" at position i (acceptance is not independent across positions, so
+    one global rate mispredicts). k drafts then emit E(k) = 1 + sum_{j<=k} prod_{i<=j} a(i)
+    tokens per round, at a cost of k * draft_step + verify(k + 1); k = 0 is plain target
+    decoding, cost verify(1).
+
+    - a(i) = (hits_i + shrink * a(i-1)) / (reached_i + shrink), from counts that decay by
+      `accept_decay` per observation (about 50 rounds: fewer made a 0.6 acceptance read as 0.4
+      and switch drafting off): a deep position seen in a few rounds stays near its shallower
+      neighbour instead of following two unlucky probes (which kept k at 3 where the drafts
+      accept 97% at every depth), and one seen often follows its own counts.
+    - verify(s) and the draft step come from `costs.CostTable`s keyed by the tokens a call
+      feeds (live rows x positions), so a batch whose rows finish at different times compares
+      its plain and drafting rounds at the rows it has now (`rows`).
+    - verify(1), plain decoding, is measured first: the round after the first drafting round
+      runs at k = 0 (one target-only round, never slower than plain decoding). Drafting is
+      chosen only when predicted `MIN_GAIN` (3%) faster than k = 0.
+    - Every `probe_every` rounds a neighbouring k is tried so that the costs and acceptances it
+      relies on stay measured; a probe that does not change the choice doubles the interval (up
+      to `max_probe_every`), because a probe is not free. A probe up from k = 0 is skipped when
+      the draft model would first have to catch up on more than `MAX_PROBE_CATCH_UP` tokens
+      (it is not fed while k = 0): at batch 8 on a CPU one such probe late in a 64-token
+      generation cost 0.37 s of catch-up, 13 target-only rounds. A probe due during a new
+      generation (whose draft starts from its prefill) runs at its first round instead, so
+      probes keep their doubling interval. For the same reason a choice to leave k = 0 while
+      the draft lags must save its catch-up within the next probe interval, and a batch's
+      choice to draft at a text's start must save the rows' draft prefills (deferred at
+      k = 0) within the text; both priced by the draft's measured calls (`record_feed`), in
+      tokens of text left. A probe that
+      changes nothing also waits until its cost (beyond a plain round, plus any draft prefill
+      or catch-up it needed: `add_probe_cost`) is at most `PROBE_SHARE` of the rounds between.
+
+    A tuner outlives one generation: `Pair` keeps one per (batch size, drafter, k max), so every
+    generation after the first starts from what this device measured; `new_text` discounts the
+    acceptance counts the last generation observed (acceptance belongs to the text, costs to
+    the device).
+    """
+
+    MIN_COST_SAMPLES = 3.0
+    MAX_PROBE_CATCH_UP = 8
+    PROBE_SHARE = 0.02  # an unfruitful probe may cost this share of the rounds till the next
+    MAX_COSTLY_PROBE_EVERY = 4096
+    MIN_GAIN = 0.03  # drafting is chosen over plain decoding only when predicted this much faster
+
+    def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
+                 accept_decay: float = 0.98, shrink: float = 4.0, prior: float = 0.7,
+                 probe_every: int = 16,
+                 max_probe_every: int = 256, draft_step: float | None = None) -> None:
+        self.k_max = k_max
+        self.k = min(k_start, k_max)
+        self.decay, self.accept_decay = decay, accept_decay
+        self.shrink, self.prior = shrink, prior
+        self.hits = [0.0] * (k_max + 1)  # decayed "accepted" counts per draft position (1-based)
+        self.reached = [0.0] * (k_max + 1)  # decayed "reached" counts per position
+        self.accept = [prior] * (k_max + 1)  # a(i), derived from the counts
+        # Seconds of a draft step by rows drafting (fixed 0 for free drafts), and of a target
+        # call by tokens verified (rows x positions).
+        self.draft = CostTable(decay, self.MIN_COST_SAMPLES, fixed=draft_step)
+        self.verify = CostTable(decay, self.MIN_COST_SAMPLES)
+        self.rows = 1  # live rows of the next round
+        self.rounds = 0
+        self.probe_every = probe_every
+        self.max_probe_every = max(probe_every, max_probe_every)
+        self.interval = probe_every
+        self.next_probe = probe_every
+        self.probing = False  # the current k is a probe
+        self._best_at_probe: int | None = None
+        self._probes = 0
+        self._last_probe = 0  # rounds at the last probe
+        self.catch_up = 0  # the most tokens a row's draft would feed before drafting
+        self.catch_up_tokens = 0  # all rows' tokens a separate catch-up call would feed
+        # Seconds of a draft call outside drafting (a prefill, a catch-up) by tokens fed (rows
+        # x width): apart from the steps, whose rows carry a past (at batch 8 on a CPU, mixed
+        # in, short prompts' prefills priced a 4-row step at 14 ms and adaptive K drafted at a
+        # loss: 0.77x).
+        self.feeds = CostTable(decay, self.MIN_COST_SAMPLES)
+        self._text_prefill: tuple[int, ...] = ()  # prompts whose draft prefill waits
+        self._observed = False  # drafts were verified since the text started
+        self._probe_cost = 0.0  # seconds the current probe cost beyond a plain round
+        self.text_rounds: float | None = None  # rounds per text (moving average)
+        self.text_tokens: float | None = None  # tokens per row per text (moving average)
+        self._tokens_now = 0.0  # tokens per row so far in this text
+        self._text_start = 0
+
+    def new_text(self, carry: float = 0.3, prefill: Sequence[int] = (),
+                 rows: int | None = None) -> None:
+        """A new generation starts: keep the measured costs (a property of the device), but
+        discount the acceptance counts to `carry` of their weight (a property of the text) so
+        the new prompt's own rounds take over within a few rounds, and choose k again.
+
+        `prefill`: the lengths of the prompts the draft is prefilled with (one call each) only
+        if this text starts drafting (a batch defers the prefill at k = 0); drafting must then
+        save those prefills within the text (once a feed was measured). `rows`: the
+        text's rows (a batch's prompts)."""
+        if rows:
+            self.rows = rows
+        if self._observed:
+            # Only what the last text observed is discounted: after texts at k = 0 throughout,
+            # compounded discounts left nothing, and one probe round of 8 rows that all
+            # accepted read as acceptance 1.0 at every depth and switched to k = 4 (batch 8).
+            self.hits = [h * carry for h in self.hits]
+            self.reached = [n * carry for n in self.reached]
+            self._estimate_acceptance()
+            self._observed = False
+        self.catch_up = 0  # the draft starts from the new prompt's prefill
+        self.catch_up_tokens = 0
+        self._text_prefill = tuple(prefill)
+        if self.rounds > self._text_start:
+            n = float(self.rounds - self._text_start)
+            self.text_rounds = n if self.text_rounds is None else 0.7 * self.text_rounds + 0.3 * n
+            t = self._tokens_now
+            self.text_tokens = t if self.text_tokens is None else 0.7 * self.text_tokens + 0.3 * t
+        self._tokens_now = 0.0
+        self._text_start = self.rounds
+        cost, plain = self._catch_up_cost(), self.verify_cost(1)
+        if self.k == 0 and cost and plain:
+            # A probe up from k = 0 now would prefill every row's draft: it waits until that
+            # costs at most PROBE_SHARE of the rounds since the last probe (batch 8, chat
+            # prompts on a CPU: the first probe after the warm-up cost 0.5 s, 17 rounds).
+            self.next_probe = max(self.next_probe, self._last_probe + min(
+                int(cost / (self.PROBE_SHARE * plain)), self.MAX_COSTLY_PROBE_EVERY))
+        if self.k == 0 and (self.text_rounds is None
+                            or self.next_probe <= self.rounds + self.text_rounds):
+            # A probe due during this text runs now, while catching up is cheap (later it
+            # would be skipped); one due later waits for a later text.
+            self.next_probe = min(self.next_probe, self.rounds)
+        if self.draft_step is not None:
+            self.k = self.choose()
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    def add_probe_cost(self, seconds: float) -> None:
+        """Time spent only because the current k is a probe (the draft's prefill for a
+        generation that starts with one); it spaces out the next probes (`PROBE_SHARE`)."""
+        if self.probing:
+            self._probe_cost += seconds
+
+    def record_feed(self, tokens: int, seconds: float) -> None:
+        """Record a draft call that fed `tokens` tokens (rows x width) outside drafting: a
+        prefill or a catch-up; it prices the next ones by their size."""
+        if tokens > 0:
+            self.feeds.record(tokens, seconds)
+
+    def update(self, k: int, accepted: int, draft_step_s: float, draft_step_calls: int,
+               verify_s: float, catch_up: int = 0) -> None:
+        """Record one round: k proposed, `accepted` of them accepted, and its costs;
+        `catch_up`: tokens the draft would feed before drafting in the next round."""
+        self.update_batch(k, [(k, accepted)], draft_step_s, draft_step_calls, verify_s,
+                          catch_up)
+
+    @property
+    def draft_step(self) -> float | None:
+        """Seconds per drafted position at the current rows (None: not measured yet)."""
+        return self.draft.cost(self.rows)
+
+    def record_verify(self, size: int, verify_s: float, rows: int = 1) -> None:
+        """Record only the cost of verifying `size` positions for `rows` rows (a round whose k
+        this tuner did not choose, e.g. a free n-gram hit next to model drafting)."""
+        self.verify.record(rows * size, verify_s)
+
+    def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
+                     draft_step_calls: int, verify_s: float, catch_up: int = 0,
+                     catch_up_s: float = 0.0, catch_up_tokens: int | None = None,
+                     rows: int | None = None, next_rows: int | None = None) -> None:
+        """Record one batched round: (proposed, accepted) per row, and the round's costs.
+
+        The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
+        `catch_up`: the most tokens a row's draft would feed before drafting next round;
+        `catch_up_tokens`: what a separate catch-up call would feed, rows x width (default
+        `catch_up`); `catch_up_s`: seconds of a separate catch-up call before this round's
+        drafts; `rows`: the rows the round fed (default: one per outcome); `next_rows`: the
+        rows the next round will feed (default `rows`), at whose costs its k is chosen.
+        """
+        rows = rows or len(outcomes)
+        self.rounds += 1
+        self.catch_up = catch_up
+        self.catch_up_tokens = catch_up if catch_up_tokens is None else catch_up_tokens
+        self._text_prefill = ()  # the text has started: its prefill was made or deferred
+        if outcomes:
+            self._tokens_now += sum(a + 1 for _, a in outcomes) / len(outcomes)
+        if self.probing:  # what the probe cost beyond a plain round
+            plain = self.verify_cost(1)
+            self._probe_cost += catch_up_s + max(
+                0.0, draft_step_s + verify_s - (plain if plain is not None else verify_s))
+        for proposed, accepted in outcomes:
+            self._observed |= proposed > 0
+            for i in range(1, min(proposed, accepted + 1) + 1):
+                self.reached[i] = self.accept_decay * self.reached[i] + 1.0
+                self.hits[i] = self.accept_decay * self.hits[i] + (i <= accepted)
+        self._estimate_acceptance()
+        if draft_step_calls:
+            self.draft.record(rows, draft_step_s / draft_step_calls)
+        self.record_verify(k + 1, verify_s, rows)
+        self.rows = next_rows or rows
+        self.k = self.choose()
+
+    def _estimate_acceptance(self) -> None:
+        prev = self.prior
+        for i in range(1, self.k_max + 1):
+            n, h = self.reached[i], self.hits[i]
+            if i == 1:
+                est = h / n if n > 0 else self.prior
+            else:
+                est = (h + self.shrink * prev) / (n + self.shrink)
+            self.accept[i] = prev = est
+
+    def verify_cost(self, s: int) -> float | None:
+        """verify(s) for the current rows: measured where measured enough, else the line."""
+        return self.verify.cost(self.rows * s)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens per round at k (1 from the target plus the expected accepted drafts)."""
+        total, reach = 1.0, 1.0
+        for i in range(1, k + 1):
+            reach *= self.accept[i]
+            total += reach
+        return total
+
+    def expected_rate(self, k: int) -> float | None:
+        """Predicted tokens per second at draft length k."""
+        verify = self.verify_cost(k + 1)
+        if verify is None or (k > 0 and self.draft_step is None):
+            return None
+        return self.expected_tokens(k) / (k * (self.draft_step or 0.0) + verify)
+
+    def _catch_up_cost(self) -> float:
+        """Seconds of feeding the draft before it can draft again: the rows' deferred draft
+        prefills at a text's start (once a feed was measured; before, the first texts draft
+        and measure it), or a lag of more than `MAX_PROBE_CATCH_UP` tokens (priced per step
+        until a feed was measured); 0 when there is nothing to weigh."""
+        if self._text_prefill:
+            return sum(self.feeds.cost(n) or 0.0 for n in self._text_prefill)
+        if self.catch_up <= self.MAX_PROBE_CATCH_UP:
+            return 0.0
+        if self.feeds.mean:
+            return self.feeds.cost(self.catch_up_tokens) or 0.0
+        return self.catch_up * (self.draft_step or 0.0)
+
+    def choose(self) -> int:
+        if self.draft_step is None and self.k > 0:
+            return self.k  # no draft cost measured yet (e.g. no n-gram hit so far): keep trying
+        if not self.verify.measured(self.rows):
+            # Plain decoding's cost, verify(1), is measured by a round at k = 0 before any
+            # choice: extrapolated from the drafting rounds' sizes it came out too dear, and a
+            # cold tuner kept drafting for ~30 rounds where drafting does not pay (batch 8 on
+            # a CPU: 0.88x of target-only over a 64-token batch).
+            return 0
+        rates = {k: self.expected_rate(k) for k in range(0, self.k_max + 1)}
+        measured = {k: r for k, r in rates.items() if r is not None}
+        best = max(measured, key=lambda k: measured[k]) if measured else self.k
+        if best and 0 in measured and measured[best] < measured[0] * (1 + self.MIN_GAIN):
+            best = 0  # near break-even the estimates' noise flipped k to drafts that lost
+        catch_up = self._catch_up_cost()
+        if best and 0 in measured and catch_up > 0:
+            # Leaving k = 0 first feeds the draft every token since; it must pay within the
+            # next probe interval and what is left of this text (batch 8 on a CPU: one such
+            # switch cost 0.8 s, 23 rounds; with the draft's prefill deferred, a whole
+            # prefill). At a text's start drafting must pay the rows' draft prefills within
+            # the text (batch 8 on a CPU: k = 1 predicted 4% faster did not pay 8 prefills).
+            horizon = float(self.interval)  # tokens per row: the rounds at k = 0
+            if self.text_tokens is not None:
+                left = self.text_tokens - self._tokens_now
+                horizon = max(0.0, left if self._text_prefill else min(horizon, left))
+            saving = horizon * (1 / measured[0] - 1 / measured[best])
+            if saving < catch_up:
+                best = 0
+        if self._best_at_probe is not None:  # the round after a probe: did it change anything?
+            changed = best != self._best_at_probe
+            self.interval = self.probe_every if changed else min(2 * self.interval,
+                                                                 self.max_probe_every)
+            plain = self.verify_cost(1)
+            if not changed and plain:
+                # A dear probe (at batch 8 on a CPU, the draft's prefill for 8 prompts: 14
+                # plain rounds) waits until it costs at most PROBE_SHARE of the rounds between.
+                self.interval = max(self.interval, min(
+                    int(self._probe_cost / (self.PROBE_SHARE * plain)),
+                    self.MAX_COSTLY_PROBE_EVERY))
+            self._probe_cost = 0.0
+            self.next_probe = self.rounds + self.interval
+            self._best_at_probe = None
+        self.probing = False
+        if self.rounds >= self.next_probe:
+            # Probe a neighbour so the costs and acceptances it relies on stay measured.
+            self._probes += 1
+            step = 1 if self._probes % 2 or best == 0 else -1
+            probe = max(0, min(self.k_max, best + step))
+            if best == 0 and self.catch_up > self.MAX_PROBE_CATCH_UP:
+                probe = best  # the catch-up would cost more than the probe can tell
+            if probe != best:
+                self._best_at_probe, self.probing = best, True
+                self._last_probe = self.rounds
+                return probe
+            self.next_probe = self.rounds + self.interval
+        return best
+
+
+def new_tuner(drafter: str, k_max: int) -> AdaptiveK:
+    """Adaptive k for a drafter; n-gram drafts are free, so their cost is known up front."""
+    return AdaptiveK(k_max, draft_step=0.0 if drafter == "ngram" else None)
