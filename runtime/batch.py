@@ -218,14 +218,16 @@ class BatchDecoder:
         return row
 
     def prefill(self, budget: int | None = None) -> list[BatchRow]:
-        """Run the joining rows' prefill calls, oldest row first, in chunks (the target's, then
-        the draft's), up to `budget` tokens (None: all; at least one call); returns the rows
-        that joined the rounds. A budget keeps the live rows' rounds coming while a long
-        prompt joins (chunked prefill); the calls are the same whatever the budget."""
+        """Run the joining rows' prefill calls in chunks, up to `budget` tokens (None: all; at
+        least one call); returns the rows that joined the rounds. The target's calls of every
+        joining row come first, oldest row first (their last call gives each row its first
+        token), then the drafts'. A budget keeps the live rows' rounds coming while a long
+        prompt joins (chunked prefill); each row's calls are the same whatever the budget and
+        the order (rows of a batch never share a call here)."""
         joined: list[BatchRow] = []
         spent = 0
         while self.joining:
-            join = self.joining[0]
+            join = next((j for j in self.joining if not j.drafting), self.joining[0])
             width = self._next_width(join)
             if spent and budget is not None and spent + width > budget:
                 break
@@ -237,7 +239,7 @@ class BatchDecoder:
                 self.prefixes.forget()  # a failed call: what the free rows hold is not trusted
                 raise
             if ready:
-                self.joining.pop(0)
+                self.joining.remove(join)
                 self._go_live(join)
                 joined.append(join.row)
         return joined

@@ -256,6 +256,48 @@ def test_a_long_prompt_joins_in_chunks_while_a_row_decodes(concat: Pair, samplin
         ContinuousBatch(concat, prefill_budget=0)
 
 
+def test_joining_rows_get_their_first_tokens_before_any_draft_prefill(
+        concat: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two prompts joining at once: both targets' prefill calls run before either draft's, so
+    the second request's first token does not wait for the first one's draft; the tokens are
+    their batch-1 tokens."""
+    rng = np.random.default_rng(11)
+    config = GenerationConfig(max_new_tokens=40, drafter="model", num_draft_tokens=2,
+                              adaptive=False)
+    server = ContinuousBatch(concat, capacity=3, drafter="model", num_draft_tokens=2,
+                             adaptive=False, prefill_budget=C)
+    running = server.submit_ids(rng.integers(0, 300, 10).tolist(), config)
+    server.step()
+    prompts = [rng.integers(0, 300, n).tolist() for n in (2 * C + 7, C + 30)]
+    calls: list[tuple[str, int]] = []
+    assert concat.draft is not None
+    for name, model in (("target", concat.target), ("draft", concat.draft)):
+        step = model._rows_step
+
+        def record(cache: Any, rows: Any, tokens: Any, new_lens: Any, name: str = name,
+                   step: Any = step) -> Any:
+            calls.extend((name, int(r)) for r in rows)
+            return step(cache, rows, tokens, new_lens)
+
+        monkeypatch.setattr(model, "_rows_step", record)
+    ids = [server.submit_ids(p, config) for p in prompts]
+    firsts = []
+    while server.decoder.joining or server.queue:
+        server.step()
+        firsts.append([bool(server.output(i) and server.output(i).tokens) for i in ids])
+    monkeypatch.undo()
+    slots = {r.index for p, r in server.running.values() if p.request_id in ids}
+    joined = [c for c in calls if c[1] in slots]
+    first_draft = next(i for i, c in enumerate(joined) if c[0] == "draft")
+    assert all(c[0] == "target" for c in joined[:first_draft])
+    assert sum(1 for c in joined[:first_draft]) == 3 + 2  # both targets' chunks
+    assert firsts.index([True, True]) < len(firsts) - 1  # both first tokens, drafts pending
+    done = server.run()
+    for i, p in zip(ids, prompts, strict=True):
+        assert done[i].tokens == concat.generate_ids(p, config)[0]
+    assert done[running].tokens
+
+
 def test_a_row_cancelled_while_joining_frees_its_slot(concat: Pair) -> None:
     rng = np.random.default_rng(10)
     config = GenerationConfig(max_new_tokens=30, drafter="none")
