@@ -208,13 +208,23 @@ class BatchDecoder:
         slot, reused = self.prefixes.choose(self.free, request.prompt)
         draft_reused = self.prefixes.draft_reuse(slot, request.prompt)
         self.prefixes.take(slot)
-        row = BatchRow(slot, len(request.prompt), list(request.prompt),
-                       RowSampler(request.params, self.target.spec.vocab_size), request.output,
-                       GenerationStats(prompt_tokens=len(request.prompt), cached_tokens=reused))
         self.t_cache.lengths[slot] = reused
         if self.d_cache is not None:  # a batched draft step may feed the slot a dummy there
             self.d_cache.lengths[slot] = draft_reused
-        self.joining.append(_Joining(row, draft_reused))
+        # A row in the rounds whose prompt starts alike: its whole prefill chunks are copied.
+        source, shared, with_draft = self.prefixes.sharing(
+            [(r.index, r.tokens[:r.prompt_len], r.draft_prefilled) for r in self.slots
+             if r is not None], request.prompt)
+        if shared > reused:
+            self.t_cache.copy_prefix(source, slot, shared)
+            reused = shared
+            if self.d_cache is not None and with_draft and shared > draft_reused:
+                self.d_cache.copy_prefix(source, slot, shared)
+        row = BatchRow(slot, len(request.prompt), list(request.prompt),
+                       RowSampler(request.params, self.target.spec.vocab_size), request.output,
+                       GenerationStats(prompt_tokens=len(request.prompt), cached_tokens=reused))
+        draft_from = int(self.d_cache.lengths[slot]) if self.d_cache is not None else 0
+        self.joining.append(_Joining(row, draft_from))
         return row
 
     def prefill(self, budget: int | None = None) -> list[BatchRow]:

@@ -34,7 +34,8 @@ Starter = Callable[[Path, str], ort.InferenceSession]
 
 
 class KVOps:
-    """The gather, scatter and zeros graphs of one KV dtype in sessions on a model's device."""
+    """The gather, scatter, zeros and copy graphs of one KV dtype in sessions on a model's
+    device."""
 
     def __init__(self, dtype: str, start: Starter) -> None:
         self.dtype = np.dtype(dtype).type
@@ -45,6 +46,7 @@ class KVOps:
                              "the KV scatter graph")
         self.zeros = start(Path(str(data.joinpath(f"kv_zeros_{dtype}.onnx"))),
                            "the KV zeros graph")
+        self.copy = start(Path(str(data.joinpath(f"kv_copy_{dtype}.onnx"))), "the KV copy graph")
 
 
 def zero_fill(ops: KVOps, value: ort.OrtValue, device_id: int) -> None:
@@ -60,6 +62,22 @@ def zero_fill(ops: KVOps, value: ort.OrtValue, device_id: int) -> None:
     fill.bind_output("zeros", value.device_name(), device_id, ops.dtype, [size],
                      value.data_ptr())
     ops.zeros.run_with_iobinding(fill)
+
+
+def copy_span(ops: KVOps, src: ort.OrtValue, src_at: int, dst: ort.OrtValue, dst_at: int,
+              count: int, device_id: int) -> None:
+    """Copy `count` elements from element `src_at` of `src` to element `dst_at` of `dst`
+    (buffers of the copy graph's dtype on one device, whatever their shapes), where they are:
+    the graph's input and output are bound by address over the two spans."""
+    if count <= 0:
+        return
+    size = ops.dtype(0).itemsize
+    run = ops.copy.io_binding()
+    run.bind_input("x", src.device_name(), device_id, ops.dtype, [count],
+                   src.data_ptr() + src_at * size)
+    run.bind_output("y", dst.device_name(), device_id, ops.dtype, [count],
+                    dst.data_ptr() + dst_at * size)
+    ops.copy.run_with_iobinding(run)
 
 
 class Scratch:
@@ -133,6 +151,13 @@ class DeviceKV:
             binding.bind_output(name, self.device, self.device_id, self.dtype, shape,
                                 at + k * layer * self.itemsize)
         self._bound = (rows, past, width, at)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Positions `[0, n)` of row `src` written over row `dst`'s (a row's positions are
+        contiguous: one copy)."""
+        row = (self.max_len + 1) * self.n * self.heads * self.head_dim
+        copy_span(self.ops, self.cache, src * row, self.cache, dst * row,
+                  n * self.n * self.heads * self.head_dim, self.device_id)
 
     def commit(self, rows: np.ndarray, lengths: np.ndarray, new_lens: np.ndarray) -> None:
         """Write the last run's positions `past .. past + new_lens[i]` of each row i at its

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnxruntime as ort
 
-from .device_kv import DeviceKV, zero_fill
+from .device_kv import DeviceKV, copy_span, zero_fill
 from .errors import InputError, ModelError
 from .sessions import NO_GRAPH_OPTIONS, NP_DTYPES, graph_run_options
 
@@ -188,6 +188,27 @@ class KVCache:
         if fixed is not None:
             self._fixed = None
             self.model._give_back(fixed)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make row `dst` hold row `src`'s first `n` positions (keys, values and the tokens fed),
+        bit for bit, with length `n`: a prefix two rows share is computed once."""
+        if not 0 < n <= min(int(self.lengths[src]), self.max_len) or src == dst:
+            raise AssertionError(f"copy of {n} positions from row {src} (length "
+                                 f"{self.lengths[src]}) to row {dst}")
+        if self.host is not None:
+            self.host[:, dst, :, :n] = self.host[:, src, :, :n]
+        elif self.device_kv is not None:
+            self.device_kv.copy_prefix(src, dst, n)
+        else:  # in place: each value `[batch, heads, max_len, head_dim]`, a span per head
+            ops, spec = self.model.kv_ops(), self.model.spec
+            dim, heads = spec.head_dim, spec.num_kv_heads
+            for value in self.values:
+                for h in range(heads):
+                    copy_span(ops, value, ((src * heads + h) * self.max_len) * dim, value,
+                              ((dst * heads + h) * self.max_len) * dim, n * dim,
+                              self.model.config.device_id)
+        self.fed[dst, :n] = self.fed[src, :n]
+        self.lengths[dst] = n
 
     def rollback(self, lengths: np.ndarray | int) -> None:
         """Set the valid length of each row (O(1): nothing is recomputed or copied)."""

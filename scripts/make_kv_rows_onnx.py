@@ -1,5 +1,6 @@
-"""Write runtime/data/kv_{gather,scatter,zeros}_{float32,float16}.onnx, the graphs that keep a
-concat-form model's KV cache on its device (`runtime.device_kv.DeviceKV`).
+"""Write runtime/data/kv_{gather,scatter,zeros,copy}_{float32,float16}.onnx, the graphs that keep a
+concat-form model's KV cache on its device (`runtime.device_kv.DeviceKV`) and copy a row's
+prefix to another row (`runtime.kvcache.KVCache.copy_prefix`).
 
 Usage: python scripts/make_kv_rows_onnx.py [OUT_DIR]   (needs the `onnx` package; the runtime
 does not, it only reads the files). Opset 17 and IR version 8, as the greedy head.
@@ -17,6 +18,8 @@ for the padding of short rows, never read).
   zeros:   shape [1] int64 (an element count) -> that many zeros; the runtime binds the output
            by address over a buffer of any shape (a new cache, zero-filled on the device without
            a host array as large as the cache; each in-place gqa-shared KV buffer too)
+  copy:    x [size] -> y [size], the same values: the runtime binds both by address over spans
+           of KV buffers (a row's positions copied to another row, on the device)
 """
 
 from __future__ import annotations
@@ -86,10 +89,18 @@ def zeros(dtype: int, name: str) -> onnx.ModelProto:
                   [helper.make_tensor_value_info("zeros", dtype, ["size"])])
 
 
+def copy(dtype: int, name: str) -> onnx.ModelProto:
+    nodes = [helper.make_node("Identity", ["x"], ["y"])]
+    return _model(nodes, f"specedge_kv_copy_{name}",
+                  [helper.make_tensor_value_info("x", dtype, ["size"])],
+                  [helper.make_tensor_value_info("y", dtype, ["size"])])
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, dtype in (("float32", TensorProto.FLOAT), ("float16", TensorProto.FLOAT16)):
-        for kind, build in (("gather", gather), ("scatter", scatter), ("zeros", zeros)):
+        for kind, build in (("gather", gather), ("scatter", scatter), ("zeros", zeros),
+                            ("copy", copy)):
             path = out / f"kv_{kind}_{name}.onnx"
             onnx.save(build(dtype, name), str(path))
             print(f"wrote {path} ({path.stat().st_size} bytes)")

@@ -7,6 +7,7 @@ multiples of `PREFILL_CHUNK`, and a slot keeps only whole chunks its prefill wro
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from specedge.runtime.backend import OrtModel
 from specedge.runtime.errors import InputError, ModelError
-from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
+from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair, ThreadPlan, plan_threads
 from specedge.runtime.prefix_cache import PREFILL_CHUNK, kept_prefix, reusable
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.server import ServerOptions, create_app
@@ -154,12 +155,14 @@ def test_chats_sharing_fewer_slots_stay_exact(concat: Pair, adaptive: bool) -> N
     assert sum(x[2] for t in warm for x in t) > 0
 
 
-def _row_calls(model: OrtModel, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    calls: list[tuple[int, int]] = []
+def _row_calls(model: OrtModel, monkeypatch: pytest.MonkeyPatch
+               ) -> list[tuple[int, int, int]]:
+    """(past, width, slot) of each call's first row."""
+    calls: list[tuple[int, int, int]] = []
     step = model._rows_step
 
     def record(cache: Any, rows: Any, tokens: Any, new_lens: Any) -> Any:
-        calls.append((int(cache.lengths[rows[0]]), int(new_lens[0])))
+        calls.append((int(cache.lengths[rows[0]]), int(new_lens[0]), int(rows[0])))
         return step(cache, rows, tokens, new_lens)
 
     monkeypatch.setattr(model, "_rows_step", record)
@@ -185,7 +188,8 @@ def test_a_warm_row_makes_the_cold_rows_last_prefill_calls(concat: Pair,
             (result,) = _turns(server, [prompt], config)
             seen[keep] = (target, draft, result.stats.cached_tokens)
             monkeypatch.undo()
-        (cold_t, cold_d, none), (warm_t, warm_d, cached) = seen[False], seen[True]
+        (cold_t, cold_d, none), (warm_t, warm_d, cached) = (
+            ([c[:2] for c in t], [c[:2] for c in d], n) for t, d, n in (seen[False], seen[True]))
         assert none == 0 and cached == reusable(kept_prefix(earlier), prompt) > 0
         assert warm_t[0][0] == cached and warm_t == cold_t[-len(warm_t):]
         assert warm_d[0][0] == cached and warm_d == cold_d[-len(warm_d):]
@@ -213,6 +217,97 @@ def test_a_failed_round_forgets_every_kept_prefix(concat: Pair,
     assert all(h.target == () for h in server.decoder.prefixes.held)
     again = _turns(server, [prompt], config)[0]
     assert again.tokens == first.tokens and again.stats.cached_tokens == 0
+
+
+# ------------------------------------------------------------------------------- shared by rows
+
+
+@pytest.fixture(scope="module")
+def on_device(concat_dir: Path) -> Pair:
+    """The concat pair with its KV caches in `DeviceKV`s (the GPU's layout, host buffers)."""
+    plan = plan_threads()
+    return Pair.load(concat_dir, plan=ThreadPlan(replace(plan.target, device_kv=True),
+                                                 replace(plan.draft, device_kv=True)))
+
+
+def _contents(cache: Any, row: int, n: int) -> list[np.ndarray]:
+    """Row `row`'s first `n` positions of every KV buffer of `cache`, read back."""
+    if cache.host is not None:
+        return [cache.host[:, row, :, :n]]
+    if cache.device_kv is not None:
+        return [cache.device_kv.cache.numpy()[row, :n]]
+    return [v.numpy()[row, :, :n] for v in cache.values]
+
+
+@pytest.mark.parametrize("form", ["concat", "on_device", "tiny"])
+def test_a_copied_prefix_is_the_source_rows_bit_for_bit(form: str, request: Any,
+                                                        tiny_pair: Pair) -> None:
+    """`KVCache.copy_prefix` for each cache kind (host concat, the device layout, in-place
+    buffers): the destination row holds the source's positions and tokens, bit for bit, and
+    a next call on it gives the source row's logits."""
+    pair = tiny_pair if form == "tiny" else request.getfixturevalue(form)
+    model = pair.target
+    cache = model.new_cache(3, 64)
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, 300, (1, 40))
+    model.forward_rows(cache, np.asarray([0]), ids, np.asarray([40]))
+    cache.copy_prefix(0, 2, 33)
+    assert int(cache.lengths[2]) == 33 and list(cache.fed[2, :33]) == list(ids[0, :33])
+    for a, b in zip(_contents(cache, 0, 33), _contents(cache, 2, 33), strict=True):
+        assert np.array_equal(a, b)
+    cache.rollback(np.asarray([33, 0, 33]))
+    nxt = rng.integers(0, 300, (1, 4))
+    first = model.forward_rows(cache, np.asarray([0]), nxt, np.asarray([4]))
+    second = model.forward_rows(cache, np.asarray([2]), nxt, np.asarray([4]))
+    assert np.array_equal(first, second)
+
+
+@pytest.mark.parametrize("sampling", list(CONFIGS))
+@pytest.mark.parametrize("form", ["concat", "mixed", "on_device"])
+def test_rows_sharing_a_document_prefill_it_once(form: str, sampling: str, request: Any) -> None:
+    """A batch whose rows start with one long document: the first row prefills it, the others
+    copy its whole chunks (target and draft) and prefill only their question; every row is
+    its batch-1 output."""
+    pair = request.getfixturevalue(form)
+    rng = np.random.default_rng(12)
+    doc = rng.integers(0, 300, 2 * C + 40).tolist()
+    prompts = [doc + rng.integers(0, 300, 6 + i).tolist() for i in range(4)]
+    config = GenerationConfig(max_new_tokens=16, drafter="model", num_draft_tokens=3,
+                              adaptive=False, sampling=CONFIGS[sampling])
+    batch = pair.generate_batch_ids(prompts, config)
+    assert [r.stats.cached_tokens for r in batch.results] == [0, 2 * C, 2 * C, 2 * C]
+    for result, prompt in zip(batch.results, prompts, strict=True):
+        assert result.tokens == pair.generate_ids(prompt, config)[0]
+
+
+def test_a_row_copying_a_prefix_makes_the_cold_rows_last_calls(
+        concat: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact by construction: after the copy, the joining row feeds the target and the draft
+    exactly the calls (past, width) a cold row's prefill ends with."""
+    rng = np.random.default_rng(13)
+    doc = rng.integers(0, 300, C + 60).tolist()
+    first, second = doc + [1, 2, 3], doc + rng.integers(0, 300, 20).tolist()
+    config = GenerationConfig(max_new_tokens=30, drafter="model", num_draft_tokens=2,
+                              adaptive=False)
+    seen = {}
+    for keep in (False, True):
+        server = _batch(concat, config, 2, keep)
+        server.submit_ids(first, config)
+        server.step()
+        assert concat.draft is not None
+        target = _row_calls(concat.target, monkeypatch)
+        draft = _row_calls(concat.draft, monkeypatch)
+        rid = server.submit_ids(second, config)
+        while server.decoder.joining or server.queue:
+            server.step()
+        monkeypatch.undo()
+        slot = next(r.index for p, r in server.running.values() if p.request_id == rid)
+        prefill = [(c, calls) for c, calls in (("t", target), ("d", draft))]
+        seen[keep] = [[(p, n) for p, n, s in calls if s == slot and p + n <= len(second)]
+                      for _, calls in prefill]
+        assert server.run()[rid].tokens == concat.generate_ids(second, config)[0]
+    for cold, warm in zip(seen[False], seen[True], strict=True):
+        assert warm[0][0] == C and warm == cold[-len(warm):], (cold, warm)
 
 
 # ------------------------------------------------------------------------------- chunked prefill
