@@ -509,12 +509,15 @@ class BatchDecoder:
 
 def decode_batch(target: OrtModel, draft: OrtModel | None, plan: DecodePlan,
                  requests: Sequence[RowRequest], *, max_len: int, compact: bool = True,
-                 tuner: AdaptiveK | None = None) -> tuple[list[BatchRow], BatchStats]:
-    """Generate for every request; returns the rows (in order, finished) and the totals."""
+                 tuner: AdaptiveK | None = None, keep_prefixes: bool = True
+                 ) -> tuple[list[BatchRow], BatchStats]:
+    """Generate for every request; returns the rows (in order, finished) and the totals.
+    `keep_prefixes=False`: rows whose prompts start alike prefill them each (a measurement's
+    control)."""
     if not requests:
         raise InputError("a batch needs at least one prompt")
     decoder = BatchDecoder(target, draft, plan, capacity=len(requests), max_len=max_len,
-                           compact=compact, tuner=tuner)
+                           compact=compact, tuner=tuner, keep_prefixes=keep_prefixes)
     rows = [decoder.add(r) for r in requests]
     start = time.perf_counter()  # decoding starts once every row is prefilled: a row's
     for row in rows:  # decode_s leaves out the prefills of the rows after it
