@@ -999,7 +999,8 @@ def slot_prefix_check(pair: Any, ids: list[list[int]], new: int, turns: int = 4
     """Two chats at once in a continuous batch of two slots (each turn: the last prompt, its
     output, prefilled ahead into its slot, and a next message) that keeps prefixes in its free
     slots, against one that keeps none: the same tokens every turn (greedy, K=2), and the
-    prompt tokens each request reused (`runtime/slot_prefix`)."""
+    prompt tokens each request reused (`runtime/slot_prefix`); then three rows sharing a
+    document in one batch (copied prefixes) against their batch-1 runs."""
     from specedge.runtime.pair import GenerationConfig
     from specedge.runtime.serving import ContinuousBatch
 
@@ -1026,8 +1027,19 @@ def slot_prefix_check(pair: Any, ids: list[list[int]], new: int, turns: int = 4
                     server.prefill_ahead(history)
                 chats[i] = history + ids[(2 + 2 * turn + i) % len(ids)][:24]
         outputs[keep] = got
-    return {"equal": sum(a == b for a, b in zip(outputs[True], outputs[False], strict=True)),
-            "generations": len(outputs[True]), "reused": reused}
+    equal = sum(a == b for a, b in zip(outputs[True], outputs[False], strict=True))
+    # A batch of rows that share one document: the later rows copy its chunks from the first
+    # (`KVCache.copy_prefix`: the copy graph on the device); each row against its batch-1 run.
+    doc: list[int] = []
+    while len(doc) < 300:
+        doc += ids[len(doc) % len(ids)]
+    rows = [doc + ids[(i + 3) % len(ids)][:16] for i in range(3)]
+    batch = pair.generate_batch_ids(rows, config)
+    shared = [r.stats.cached_tokens for r in batch.results]
+    equal += sum(r.tokens == pair.generate_ids(p, config)[0]
+                 for r, p in zip(batch.results, rows, strict=True))
+    return {"equal": equal, "generations": len(outputs[True]) + len(rows), "reused": reused,
+            "shared": shared}
 
 
 def guarded(result: dict[str, Any], what: str, run: Any, *args: Any, **kwargs: Any) -> Any:

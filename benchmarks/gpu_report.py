@@ -182,9 +182,10 @@ def batch_bars(data: dict[str, Any]) -> list[dict[str, Any]]:
     slots = data.get("batch-reference", {}).get("slot_prefix")
     if slots:
         ok = "error" not in slots
-        out.append({"bar": "a continuous batch's kept prefixes: chats decode as from empty rows",
+        out.append({"bar": "a batch's kept and shared prefixes: rows decode as from empty rows",
                     "measured": (f"{slots['equal']}/{slots['generations']} generations equal; "
-                                 f"prompt tokens reused {slots['reused']}") if ok
+                                 f"prompt tokens reused {slots['reused']}, copied from a "
+                                 f"row sharing a document {slots.get('shared')}") if ok
                                 else slots["error"][:200],
                     "passed": slots["equal"] == slots["generations"] if ok else None})
     worst = None

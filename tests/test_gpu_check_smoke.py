@@ -51,6 +51,7 @@ def test_cpu_smoke_runs_every_phase(tmp_path: Path, fixtures_dir: Path) -> None:
     # chats in a continuous batch that keeps prefixes in its free slots: exact, and reused
     slots = data["batch-reference"]["slot_prefix"]
     assert slots["equal"] == slots["generations"] > 0 and max(slots["reused"]) > 0, slots
+    assert slots["shared"][0] == 0 and min(slots["shared"][1:]) >= 128, slots
     # its draft's steps timed plain and on fixed buffers (CUDA graphs on a GPU)
     assert all({"draft_step", "draft_step_graph"} <= set(r["costs"]) for r in shaped.values())
     # and the host's greedy share of a call, which the predicted bar adds to each verify
