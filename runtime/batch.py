@@ -43,7 +43,7 @@ from .drafters import ngram_for, take_ngram
 from .errors import InputError
 from .kvcache import KVCache
 from .policy import DecodePlan
-from .prefix_cache import prefill_chunks
+from .prefix_cache import kept_prefix, prefill_chunks
 from .rounds import RowOutput, RowSampler, draft_budget, fed_prefix
 from .sampling import SamplingParams
 from .slot_prefix import Held, SlotPrefixes, extend_end, feed_row
@@ -211,15 +211,6 @@ class BatchDecoder:
         self.t_cache.lengths[slot] = reused
         if self.d_cache is not None:  # a batched draft step may feed the slot a dummy there
             self.d_cache.lengths[slot] = draft_reused
-        # A row in the rounds whose prompt starts alike: its whole prefill chunks are copied.
-        source, shared, with_draft = self.prefixes.sharing(
-            [(r.index, r.tokens[:r.prompt_len], r.draft_prefilled) for r in self.slots
-             if r is not None], request.prompt)
-        if shared > reused:
-            self.t_cache.copy_prefix(source, slot, shared)
-            reused = shared
-            if self.d_cache is not None and with_draft and shared > draft_reused:
-                self.d_cache.copy_prefix(source, slot, shared)
         row = BatchRow(slot, len(request.prompt), list(request.prompt),
                        RowSampler(request.params, self.target.spec.vocab_size), request.output,
                        GenerationStats(prompt_tokens=len(request.prompt), cached_tokens=reused))
@@ -270,6 +261,7 @@ class BatchDecoder:
         model, cache = ((self.draft, self.d_cache) if join.drafting else
                         (self.target, self.t_cache))
         assert model is not None and cache is not None
+        self._share(join, cache)
         a, b = prefill_chunks(int(cache.lengths[slot]), end)[0]
         block = np.asarray([row.tokens[a:b]], np.int64)
         if b < end:
@@ -301,6 +293,37 @@ class BatchDecoder:
             return True
         join.drafting = True
         return False
+
+    def _share(self, join: _Joining, cache: KVCache) -> None:
+        """Copy into the joining row what another row already computed of its prompt: the
+        whole prefill chunks its cache holds (`SlotPrefixes.sharing`), when they reach beyond
+        the joining row's own (a document or system prompt that rows share is computed
+        once)."""
+        have = int(cache.lengths[join.row.index])
+        held = [(j.row.index, self._prefilled(j.row, j, join.drafting))
+                for j in self.joining if j is not join]
+        held += [(r.index, self._prefilled(r, None, join.drafting))
+                 for r in self.slots if r is not None]
+        source, n = self.prefixes.sharing(held, join.row.tokens[:join.row.prompt_len])
+        if n > have:
+            cache.copy_prefix(source, join.row.index, n)
+            if join.drafting:
+                join.draft_from = n
+            else:
+                join.row.stats.cached_tokens += n - have
+
+    def _prefilled(self, row: BatchRow, join: _Joining | None, draft: bool) -> list[int]:
+        """The prompt tokens whose keys and values `row`'s target (or draft) row holds as its
+        own prefill calls wrote them: whole chunks, never its prompt's last two positions once
+        it decodes (`kept_prefix`); a joining row's, as far as its chunks have gone."""
+        prompt = row.tokens[:row.prompt_len]
+        if join is None:  # in the rounds (or finished, not yet released)
+            return list(kept_prefix(prompt)) if row.draft_prefilled or not draft else []
+        if draft:
+            assert self.d_cache is not None
+            return prompt[:int(self.d_cache.lengths[row.index])] if join.drafting else []
+        return (list(kept_prefix(prompt)) if join.drafting else
+                prompt[:int(self.t_cache.lengths[row.index])])
 
     def _go_live(self, join: _Joining) -> None:
         row = join.row

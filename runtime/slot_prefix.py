@@ -7,11 +7,11 @@ a new request into the free slot that holds the longest whole-chunk prefix of it
 when none does, into the slot released longest ago (the idea of llama.cpp's server, which picks
 the slot whose cached prompt is most similar). Nothing is copied: the slot is the cache.
 
-Rows decoding at the same time share prefixes too: when a row in the rounds holds more of a
-joining prompt than any free slot (the same document or system prompt), its whole prefill
-chunks are copied into the new row (`KVCache.copy_prefix`, on the device where the cache is),
-so a prefix that several rows of a batch share is computed once (as vLLM's automatic prefix
-caching shares blocks).
+Rows share prefixes too: before each prefill call of a joining row, if another row (decoding,
+or joining ahead of it) holds more of its prompt than it does (the same document or system
+prompt), that row's whole prefill chunks are copied into it (`KVCache.copy_prefix`, on the
+device where the cache is), so a prefix that several rows of a batch share is computed once,
+also when the requests arrive together (as vLLM's automatic prefix caching shares blocks).
 
 The rules are batch-1 prefix caching's (`runtime/prefix_cache`), and so is the exactness: every
 row prefill (target and draft) is fed in chunks cut at the multiples of `PREFILL_CHUNK`, only
@@ -78,18 +78,17 @@ class SlotPrefixes:
         held = self.held[slot].draft
         return reusable(held, prompt) if self.keep and held is not None else 0
 
-    def sharing(self, rows: Sequence[tuple[int, Sequence[int], bool]], prompt: Sequence[int]
-                ) -> tuple[int, int, bool]:
-        """Among rows in the rounds `(slot, prompt, draft prefilled)`, the one whose prompt's
-        whole prefill chunks start `prompt` the longest: its slot, how many tokens it holds
-        of `prompt` (0: none) and whether its draft row holds them too (its prompt's keys and
-        values are never rewritten while it decodes: `kept_prefix`)."""
-        best = (-1, 0, False)
+    def sharing(self, rows: Sequence[tuple[int, Sequence[int]]], prompt: Sequence[int]
+                ) -> tuple[int, int]:
+        """Among other rows `(slot, the prompt tokens it holds as its prefill calls wrote
+        them)`, the one that holds the longest whole-chunk prefix of `prompt`: its slot and how
+        many tokens (0: none)."""
+        best = (-1, 0)
         if self.keep:
-            for slot, own, drafted in rows:
-                n = reusable(kept_prefix(own), prompt)
+            for slot, held in rows:
+                n = reusable(held, prompt)
                 if n > best[1]:
-                    best = (slot, n, drafted)
+                    best = (slot, n)
         return best
 
     def take(self, slot: int) -> None:

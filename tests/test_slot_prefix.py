@@ -280,6 +280,32 @@ def test_rows_sharing_a_document_prefill_it_once(form: str, sampling: str, reque
         assert result.tokens == pair.generate_ids(prompt, config)[0]
 
 
+@pytest.mark.parametrize("budget", [None, C])
+def test_requests_arriving_together_compute_a_shared_prefix_once(
+        concat: Pair, budget: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three requests with one long system prompt submitted at once: the first computes its
+    chunks, the other two copy them while they join (target and draft), each row is its
+    batch-1 output."""
+    rng = np.random.default_rng(14)
+    system = rng.integers(0, 300, 2 * C + 20).tolist()
+    prompts = [system + rng.integers(0, 300, 8 + i).tolist() for i in range(3)]
+    config = GenerationConfig(max_new_tokens=12, drafter="model", num_draft_tokens=2,
+                              adaptive=False)
+    server = _batch(concat, config, 3)
+    server.prefill_budget = budget
+    assert concat.draft is not None
+    draft = _row_calls(concat.draft, monkeypatch)
+    ids = [server.submit_ids(p, config) for p in prompts]
+    done = server.run()
+    monkeypatch.undo()
+    assert [done[i].stats.cached_tokens for i in ids] == [0, 2 * C, 2 * C]
+    draft_prefill = [c for c in draft if c[1] > 1]  # the prompts' chunks
+    assert sum(n for _, n, _ in draft_prefill) == len(prompts[0]) + 2 * (
+        len(prompts[1]) - 2 * C) + 1  # the copies are not computed
+    for i, p in zip(ids, prompts, strict=True):
+        assert done[i].tokens == concat.generate_ids(p, config)[0]
+
+
 def test_a_row_copying_a_prefix_makes_the_cold_rows_last_calls(
         concat: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Exact by construction: after the copy, the joining row feeds the target and the draft
