@@ -184,8 +184,11 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
     st = result.stats
     if show_stats or as_json:
         summary = {"rows": st.rows, "rounds": st.rounds, "new_tokens": st.new_tokens,
-                   "acceptance_rate": st.acceptance_rate, "decode_s": st.decode_s,
-                   "aggregate_tokens_per_s": st.tokens_per_s}
+                   "prompt_tokens": sum(r.stats.prompt_tokens for r in result.results),
+                   # prompt tokens copied from another row or kept in a slot, not computed
+                   "cached_tokens": sum(r.stats.cached_tokens for r in result.results),
+                   "acceptance_rate": st.acceptance_rate, "prefill_s": st.prefill_s,
+                   "decode_s": st.decode_s, "aggregate_tokens_per_s": st.tokens_per_s}
         if as_json:
             click.echo(json_dumps({"batch": summary}))
         else:

@@ -19,17 +19,22 @@ def runner() -> CliRunner:
 
 
 def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path) -> None:
+    document = "def add(a, b): return a + b " * 12  # rows 1 and 3 share it: computed once
     rows = [{"prompt": "Hi there", "max_new_tokens": 5},
-            {"prompt": "def add(a, b): return a + b " * 4, "max_new_tokens": 17},
-            {"messages": [{"role": "user", "content": "Hello"}], "max_new_tokens": 9}]
+            {"prompt": document + "# what does add do?", "max_new_tokens": 17},
+            {"messages": [{"role": "user", "content": "Hello"}], "max_new_tokens": 9},
+            {"prompt": document + "# write a test", "max_new_tokens": 7}]
     batch = tmp_path / "batch.jsonl"
     batch.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     result = invoke(runner, "generate", concat_dir, "--batch", batch, "--json", "-k", "3",
                     "--fixed-k", "--drafter", "model")
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [line["row"] for line in lines[:-1]] == [0, 1, 2]
-    assert lines[-1]["batch"]["rows"] == 3
+    assert [line["row"] for line in lines[:-1]] == [0, 1, 2, 3]
+    summary = lines[-1]["batch"]
+    assert summary["rows"] == 4 and summary["cached_tokens"] >= 128
+    assert summary["cached_tokens"] == lines[3]["stats"]["cached_tokens"]
+    assert summary["prompt_tokens"] == sum(line["stats"]["prompt_tokens"] for line in lines[:-1])
     pair = Pair.load(concat_dir)
     for row, got in zip(rows, lines, strict=False):
         cfg = GenerationConfig(max_new_tokens=row["max_new_tokens"], drafter="none",
