@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specedge.runtime.backend import OrtModel
@@ -434,6 +434,50 @@ def test_a_row_cancelled_while_joining_frees_its_slot(concat: Pair) -> None:
     done = server.run()
     assert sorted(done) == [first, third] and done[third].stats.cached_tokens == 0
     assert done[third].tokens == concat.generate_ids(long, config)[0]
+
+
+# ------------------------------------------------------------------------------- any schedule
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+@pytest.mark.parametrize("form", ["concat", "mixed", "on_device"])
+def test_any_schedule_of_requests_decodes_each_as_batch_1(form: str, request: Any,
+                                                          data: Any) -> None:
+    """Requests from a family of prompts that share prefixes (whole chunks and not), arriving
+    at random rounds, some cancelled, some conversations prefilled ahead, through a batch of
+    random capacity and prefill budget: every request that finishes decodes its batch-1
+    tokens, and reuses or copies only whole chunks. Concat draft, in-place draft, device
+    layout."""
+    concat = request.getfixturevalue(form)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    base = rng.integers(0, 300, 3 * C).tolist()
+    family = [base[:n] + rng.integers(0, 300, m).tolist()
+              for n, m in ((C + 30, 5), (2 * C + 3, 9), (C - 20, 40), (0, 20), (3 * C, 1))]
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    config = GenerationConfig(max_new_tokens=data.draw(st.integers(1, 12)), drafter="model",
+                              num_draft_tokens=2, adaptive=False)
+    server = ContinuousBatch(concat, capacity=data.draw(st.integers(1, 3)), drafter="model",
+                             num_draft_tokens=2, adaptive=False,
+                             prefill_budget=data.draw(st.sampled_from([None, 1, C, 2 * C])))
+    asked: dict[int, tuple[list[int], GenerationConfig]] = {}
+    done: dict[int, GenerationResult] = {}
+    for _ in range(data.draw(st.integers(1, 8))):
+        for _ in range(data.draw(st.integers(0, 2))):
+            prompt = list(family[data.draw(st.integers(0, len(family) - 1))])
+            cfg = replace(config, sampling=sampled) if data.draw(st.booleans()) else config
+            asked[server.submit_ids(prompt, cfg)] = (prompt, cfg)
+        if asked and data.draw(st.integers(0, 4)) == 0:
+            server.cancel(data.draw(st.sampled_from(sorted(asked))))
+        if data.draw(st.integers(0, 3)) == 0:
+            server.prefill_ahead(family[data.draw(st.integers(0, len(family) - 1))] + [7] * 9)
+        done.update(server.step())
+    done.update(server.run())
+    for rid, result in done.items():
+        prompt, cfg = asked[rid]
+        assert result.tokens == concat.generate_ids(prompt, cfg)[0], rid
+        assert result.stats.cached_tokens % C == 0 and result.stats.cached_tokens < len(prompt)
 
 
 # ------------------------------------------------------------------------------- server
