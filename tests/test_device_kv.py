@@ -115,7 +115,8 @@ def test_shipped_graphs_are_the_scripts(tmp_path: Path) -> None:
     module.main(tmp_path)
     for made in sorted(tmp_path.glob("kv_*.onnx")):
         assert made.read_bytes() == (root / "runtime" / "data" / made.name).read_bytes(), made
-    assert len(list(tmp_path.glob("kv_*.onnx"))) == 6
+    shipped = sorted(p.name for p in (root / "runtime" / "data").glob("kv_*.onnx"))
+    assert sorted(p.name for p in tmp_path.glob("kv_*.onnx")) == shipped and len(shipped) == 8
 
 
 def test_helper_graphs_run_on_cuda_under_tensorrt() -> None:
