@@ -68,10 +68,10 @@ def reusable(cached: Sequence[int], prompt: Sequence[int], chunk: int = PREFILL_
     prompt) can skip: their common prefix, cut down to whole chunks, leaving at least one token
     of `prompt` to prefill (its last logits give the first new token)."""
     limit = min(len(cached), len(prompt) - 1)
-    n = 0
-    while n < limit and cached[n] == prompt[n]:
-        n += 1
-    return n // chunk * chunk
+    n = 0  # whole chunks compared at once (C speed: a batch asks this before every call)
+    while n + chunk <= limit and tuple(cached[n:n + chunk]) == tuple(prompt[n:n + chunk]):
+        n += chunk
+    return n
 
 
 def kept_prefix(prompt: Sequence[int], chunk: int = PREFILL_CHUNK) -> tuple[int, ...]:
