@@ -45,9 +45,9 @@ def main() -> None:
         for b in batches:
             rows = (prompts[rep * 3:] + prompts)[:b]
             totals[b]["target-only"] += base.generate_batch(rows, plain).stats.tokens_per_s
-            cold._tuners.clear()
+            cold.tuners.learned.clear()
             totals[b]["cold"] += cold.generate_batch(rows, adaptive).stats.tokens_per_s
-            warm._tuners.pop((b, "model", args.k), None)
+            warm.tuners.learned.pop((b, "model", args.k), None)
             totals[b]["warm"] += warm.generate_batch(rows, adaptive).stats.tokens_per_s
     print(f"{args.pair}, {args.max_new_tokens} new tokens per row, {args.repeats} repeats, "
           f"adaptive K <= {args.k}, greedy, decode tok/s (mean of repeats)")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from specedge.exporter.pair import check_output, require_modules, staged_folder
+from specedge.exporter.output import check_output, require_modules, staged_folder
 from specedge.exporter.quantize import (
     CALIBRATED,
     HISTOGRAM,

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,12 +55,10 @@ from specedge.runtime.manifest import (
     load_manifest,
     write_manifest,
 )
-from specedge.runtime.onnx_file import LENGTH, VARINT, fields
+from specedge.runtime.onnx_file import Dims, GraphSummary, contrib_ops, read_graph
 
 ENGINES_DIR = "engines"
-STANDARD_DOMAINS = ("", "ai.onnx")
 FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")
-Dims = tuple[int | str | None, ...]
 
 
 @dataclass(frozen=True)
@@ -102,103 +100,6 @@ class BuildReport:
     engines: dict[str, EngineSpec] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     skipped: str | None = None
-
-
-# ----------------------------------------------------------------------------- ONNX protobuf
-
-
-def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value) of one protobuf message: ints for varints, bytes for
-    length-delimited fields (fixed-width fields are skipped)."""
-    for number, wire, a, b in fields(buf):
-        if wire == VARINT:
-            yield number, wire, a
-        elif wire == LENGTH:
-            yield number, wire, buf[a:b]
-
-
-def _graph(path: Path) -> bytes:
-    """The GraphProto of an ONNX file (ModelProto field 7)."""
-    data = path.read_bytes()
-    for number, wire, value in _fields(data):
-        if number == 7 and wire == 2:
-            return bytes(value)
-    raise ValueError("no graph")
-
-
-@dataclass(frozen=True)
-class GraphSummary:
-    """The top-level nodes and inputs of an ONNX graph."""
-
-    nodes: list[tuple[str, str, dict[str, int | bytes]]]  # (domain, op_type, int/str attributes)
-    inputs: list[tuple[str, Dims]]  # graph inputs that are not initializers
-
-
-def read_graph(path: Path) -> GraphSummary:
-    """Top-level nodes (domain, op type, scalar attributes) and inputs of an ONNX file.
-
-    Raises:
-        ExportError: the file is not a well-formed ONNX protobuf.
-    """
-    try:
-        nodes: list[tuple[str, str, dict[str, int | bytes]]] = []
-        inputs: list[tuple[str, Dims]] = []
-        initializers: set[str] = set()
-        for number, wire, value in _fields(_graph(path)):
-            if wire != 2:
-                continue
-            if number == 1:  # NodeProto: op_type 4, domain 7, attribute 5
-                op, domain, attrs = "", "", {}
-                for n, _, v in _fields(value):
-                    if n == 4:
-                        op = v.decode()
-                    elif n == 7:
-                        domain = v.decode()
-                    elif n == 5:  # AttributeProto: name 1, i 3, s 4
-                        name, scalar = "", None
-                        for an, _, av in _fields(v):
-                            if an == 1:
-                                name = av.decode()
-                            elif an in (3, 4):
-                                scalar = av
-                        if scalar is not None:
-                            attrs[name] = scalar
-                nodes.append((domain, op, attrs))
-            elif number == 5:  # TensorProto initializer: name 8
-                initializers.update(v.decode() for n, _, v in _fields(value) if n == 8)
-            elif number == 11:  # ValueInfoProto: name 1, type 2
-                inputs.append(_value_info(value))
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
-        raise ExportError(f"{path}: not a readable ONNX file ({exc}); re-export the pair"
-                          ) from None
-    return GraphSummary(nodes, [(n, d) for n, d in inputs if n not in initializers])
-
-
-def _value_info(buf: bytes) -> tuple[str, Dims]:
-    name, dims = "", []
-    for n, _, v in _fields(buf):
-        if n == 1:
-            name = v.decode()
-        elif n == 2:  # TypeProto.tensor_type 1 -> shape 2 -> dim 1 -> value 1 | param 2
-            for tn, _, tv in _fields(v):
-                if tn != 1:
-                    continue
-                for sn, _, sv in _fields(tv):
-                    if sn != 2:
-                        continue
-                    for dn, _, dv in _fields(sv):
-                        if dn != 1:
-                            continue
-                        dim: int | str | None = None
-                        for kn, _, kv in _fields(dv):
-                            dim = kv if kn == 1 else kv.decode() if kn == 2 else dim
-                        dims.append(dim)
-    return name, tuple(dims)
-
-
-def contrib_ops(graph: GraphSummary) -> Counter[str]:
-    """Nodes outside the standard ONNX domain, e.g. {"com.microsoft.GroupQueryAttention": 2}."""
-    return Counter(f"{d}.{op}" for d, op, _ in graph.nodes if d not in STANDARD_DOMAINS)
 
 
 def check_graph_form(spec: ModelSpec, name: str, graph: GraphSummary) -> None:
@@ -503,7 +404,7 @@ def build_engines(opts: EngineOptions, progress: Callable[[str], None] | None = 
             raise InputError(f"{out}: already lists TensorRT engines ({built}); pass --force "
                              "to rebuild them here")
         return _build_into(manifest, out, opts, profiles, key, say, compile_fn)
-    from .pair import staged_folder
+    from .output import staged_folder
 
     with staged_folder(out) as stage:
         copy_pair(manifest.root, stage)
@@ -515,7 +416,7 @@ def build_engines(opts: EngineOptions, progress: Callable[[str], None] | None = 
 def _output_folder(opts: EngineOptions) -> Path:
     if opts.output is None or opts.output.expanduser().resolve() == opts.pair.resolve():
         return opts.pair.resolve()
-    from .pair import check_output
+    from .output import check_output
 
     return check_output(opts.output, force=opts.force, inputs=[opts.pair])
 

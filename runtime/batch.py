@@ -45,7 +45,7 @@ from .batch_join import RowRequest as RowRequest
 from .drafters import ngram_for, take_ngram
 from .errors import InputError
 from .policy import DecodePlan
-from .rounds import draft_budget, fed_prefix
+from .rounds import draft_budget, fed_prefix, needs_logits
 from .slot_prefix import SlotPrefixes
 
 
@@ -161,8 +161,8 @@ class BatchDecoder(RowJoins):
         t1 = time.perf_counter()
         blocks = [[r.tokens[-1], *drafts[r.index]] if r.reason is None else [0] for r in fed]
         # Greedy rows get argmax ids (from the device when the backend takes them there); the
-        # others get their logits rows, in order.
-        greedy = np.asarray([r.sampler.greedy for r in fed], bool)
+        # others (sampled, or keeping logprobs) get their logits rows, in order.
+        greedy = np.asarray([not needs_logits(r.sampler, r.output) for r in fed], bool)
         ids, logits = ragged_verify(self.target, self.t_cache, fed, blocks,
                                      [len(b) if r.reason is None else 0
                                       for r, b in zip(fed, blocks, strict=True)], greedy)
@@ -175,11 +175,12 @@ class BatchDecoder(RowJoins):
                 continue
             mine = np.asarray(drafts[row.index], np.int64)
             n = len(mine)
-            if greedy[i]:
+            mine_logits = None if greedy[i] else logits[sampled_row[i], :n + 1]
+            if mine_logits is None:
                 emitted = row.sampler.verify_ids(mine, ids[i, :n + 1])
             else:
-                emitted = row.sampler.verify(mine, probs.get(row.index),
-                                             logits[sampled_row[i], :n + 1], row.position)
+                emitted = row.sampler.verify(mine, probs.get(row.index), mine_logits,
+                                             row.position)
             accepted = len(emitted) - 1
             outcomes.append((n, accepted))
             if self.plan.drafter != "hybrid" or row.index in model_rows or not n:
@@ -197,7 +198,7 @@ class BatchDecoder(RowJoins):
             # batch's host time in its rounds, not inflated by the other rows' shares).
             row.stats.record_round(n, accepted, verify_s=verify_s, draft_s=draft_s + catch_up_s,
                                    draft_calls=n if row.index in model_rows else 0)
-            row.output.push(emitted)
+            row.output.push(emitted, mine_logits)
             if not row.output.done and len(row.tokens) >= self.limit:
                 row.output.stop_at("context")
             row.stats.new_tokens = len(row.generated)

@@ -19,7 +19,7 @@ from .errors import InputError
 from .kvcache import KVCache
 from .policy import DecodePlan
 from .prefix_cache import kept_prefix, prefill_chunks
-from .rounds import RowOutput, RowSampler
+from .rounds import RowOutput, RowSampler, needs_logits
 from .sampling import SamplingParams
 from .slot_prefix import Held, SlotPrefixes, extend_end, feed_row
 from .stats import GenerationStats
@@ -233,9 +233,9 @@ class RowJoins:
                 # one row's prompt (what a kept prefix did not hold)
                 self.tuner.record_feed(end - join.draft_from, join.draft_s)
             return True
-        first = _first_token(model, cache, slot, row, block)
+        first, logits = _first_token(model, cache, slot, row, block)
         row.tokens.extend(int(t) for t in first)
-        row.output.push(first)
+        row.output.push(first, logits)
         if not row.output.done and len(row.tokens) >= self.limit:
             row.output.stop_at("context")
         row.stats.new_tokens = len(row.generated)
@@ -341,12 +341,15 @@ class RowJoins:
 
 
 def _first_token(model: OrtModel, cache: KVCache, index: int, row: BatchRow,
-                 block: np.ndarray) -> np.ndarray:
+                 block: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Feed row `index` the last chunk `block` `[1, n]` of its prompt; returns its first token
-    `[1]` (from argmax ids for a greedy row, so the logits need not reach the host)."""
+    `[1]` and the logits `[1, vocab]` it came from (None for a greedy row that keeps no
+    logprobs: its argmax ids are enough, so the logits need not reach the host)."""
+    ids_only = not needs_logits(row.sampler, row.output)
     ids, logits = model.forward_rows_greedy(cache, np.asarray([index]), block,
                                             np.asarray([block.shape[1]]),
-                                            np.asarray([row.sampler.greedy]), last=True)
-    if row.sampler.greedy:
-        return row.sampler.verify_ids(np.zeros(0, np.int64), ids[0])
-    return row.sampler.verify(np.zeros(0, np.int64), None, logits[0, -1:], 0)
+                                            np.asarray([ids_only]), last=True)
+    if ids_only:
+        return row.sampler.verify_ids(np.zeros(0, np.int64), ids[0]), None
+    mine = logits[0, -1:]
+    return row.sampler.verify(np.zeros(0, np.int64), None, mine, 0), mine

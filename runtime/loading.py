@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from .backend import OrtModel
 from .engines import EngineChoice, choose_engine, machine_key
-from .errors import ModelError
+from .errors import InputError, ModelError
 from .manifest import ModelSpec, PairManifest, engine_files_ready
 from .sessions import SessionConfig, physical_cores
 
@@ -58,6 +59,45 @@ def plan_threads(target_provider: str = "cpu", draft_provider: str = "cpu",
     draft_default = max(1, cores - 1) if shared_cpu else cores
     return ThreadPlan(one(target_provider, target_threads, True, cores),
                       one(draft_provider, draft_threads, not shared_cpu, draft_default))
+
+
+def session_plan(manifest: PairManifest, providers: str | Sequence[str], plan: ThreadPlan | None,
+                 *, cuda_graph: bool = False, device_argmax: bool | None = None,
+                 split_head: bool = True) -> ThreadPlan:
+    """The two models' session settings for `Pair.load`: `plan` (or `plan_threads` for the
+    providers and the pair's thread defaults), with the CUDA-graph, device-argmax and split-head
+    choices applied.
+
+    Raises:
+        InputError: providers that are not one name or (target, draft), or CUDA graphs asked
+            for where no gqa-shared model runs on cuda.
+    """
+    if isinstance(providers, str):
+        target_p = draft_p = providers
+    else:
+        if not isinstance(providers, Sequence) or len(providers) != 2:
+            raise InputError("providers must be one name or (target, draft)")
+        target_p, draft_p = providers
+    d = manifest.defaults
+    plan = plan or plan_threads(target_p, draft_p, d.target_threads, d.draft_threads)
+    if cuda_graph and "cuda" not in (plan.target.provider, plan.draft.provider):
+        raise InputError("CUDA graphs need a model on the cuda provider; use --providers "
+                         "cuda (or cuda,cpu), or drop --cuda-graph")
+    # CUDA graphs replay the in-place (gqa-shared) steps: a concat-form target keeps
+    # plain runs beside a gqa-shared draft that replays its own.
+    graphed = {name: cuda_graph and spec is not None and spec.graph == "gqa-shared"
+               for name, spec in (("target", manifest.target), ("draft", manifest.draft))}
+    if cuda_graph and not any(graphed.values()):
+        raise InputError("--cuda-graph replays gqa-shared models, and this pair has none; "
+                         "re-export it without --graph concat (or with --draft-graph "
+                         "gqa-shared), or drop --cuda-graph")
+    if cuda_graph or device_argmax is not None or not split_head:
+        def tuned(c: SessionConfig, name: str) -> SessionConfig:
+            argmax = c.device_argmax if device_argmax is None else device_argmax
+            return replace(c, device_argmax=argmax, split_head=split_head,
+                           cuda_graph=c.cuda_graph or (graphed[name] and c.provider == "cuda"))
+        plan = ThreadPlan(tuned(plan.target, "target"), tuned(plan.draft, "draft"))
+    return plan
 
 
 def engine_choice(manifest: PairManifest, name: str, config: SessionConfig, *,

@@ -11,18 +11,18 @@ The exporter imports this module to write the file, so the schema lives in one p
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engines import ENGINE_MODELS, ENGINE_PRECISIONS, EngineKey, EngineProfile, EngineSpec
+from .engines import EngineSpec
 from .errors import ManifestError
 from .files import confine, json_dumps, read_bounded, sha256_file, write_atomic
+from .manifest_engines import parse_engines
+from .manifest_json import Reader, file_map, free_form, json_loads_bounded, short_string
 
 FORMAT = "specedge.pair"
 FORMAT_VERSION = 1
@@ -35,11 +35,6 @@ DRAFTERS = ("model", "ngram", "hybrid")
 
 MAX_MANIFEST_BYTES = 16 << 20  # a real manifest is a few KiB; refuse to read a huge one
 MAX_TOKENIZER_FILE_BYTES = 256 << 20  # tokenizer.json of a 256k vocabulary is ~20 MiB
-MAX_DEPTH = 32  # nesting of the free-form objects (validation, source, provenance)
-MAX_NODES = 200_000  # values in one free-form object
-MAX_ENGINE_FILES = 64  # an EPContext model and its engine file(s)
-MAX_PROFILE_INPUTS = 4096  # inputs of one optimization profile (2 x layers + a few)
-MAX_PROFILE_RANK = 8
 
 log = logging.getLogger(__name__)
 
@@ -160,119 +155,10 @@ class PairManifest:
         return doc
 
 
-# ----------------------------------------------------------------------------- parsing helpers
+# ----------------------------------------------------------------------------- parsing
 
 
-class _Reader:
-    """Typed access to an untrusted JSON object; errors name the file and the key path."""
-
-    def __init__(self, file: Path, data: Any, where: str = "") -> None:
-        self.file, self.data, self.where = file, data, where
-        if not isinstance(data, dict):
-            self.fail(where or "<root>", "a JSON object", type(data).__name__)
-
-    def fail(self, key: str, expected: str, found: Any) -> None:
-        raise ManifestError(
-            f"{self.file}: key '{key}' must be {expected}, found {_short(found)}; "
-            "re-export the pair with `specedge export`"
-        )
-
-    def key(self, name: str) -> str:
-        return f"{self.where}.{name}" if self.where else name
-
-    def get(self, name: str, kind: type | tuple[type, ...], *, required: bool = True,
-            default: Any = None) -> Any:
-        if name not in self.data:
-            if required:
-                raise ManifestError(
-                    f"{self.file}: missing key '{self.key(name)}'; re-export the pair with "
-                    "`specedge export`"
-                )
-            return default
-        value = self.data[name]
-        # bool is an int subclass: never accept it where a number is expected.
-        if isinstance(value, bool) and bool not in _as_tuple(kind):
-            self.fail(self.key(name), _kind_name(kind), value)
-        if not isinstance(value, kind):
-            self.fail(self.key(name), _kind_name(kind), value)
-        if isinstance(value, float) and not math.isfinite(value):
-            self.fail(self.key(name), "a finite number", value)
-        return value
-
-    def int_in(self, name: str, lo: int, hi: int, *, required: bool = True,
-               default: int | None = None) -> Any:
-        value = self.get(name, int, required=required, default=default)
-        if value is not None and not lo <= value <= hi:
-            self.fail(self.key(name), f"an integer in [{lo}, {hi}]", value)
-        return value
-
-    def choice(self, name: str, options: tuple[str, ...], *, required: bool = True,
-               default: str | None = None) -> Any:
-        value = self.get(name, str, required=required, default=default)
-        if value is not None and value not in options:
-            self.fail(self.key(name), f"one of {', '.join(options)}", value)
-        return value
-
-    def sub(self, name: str, *, required: bool = True) -> _Reader | None:
-        if name not in self.data and not required:
-            return None
-        return _Reader(self.file, self.get(name, dict), self.key(name))
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    """repr() for an error message: bounded in length, safe for any nesting."""
-    try:
-        text = repr(value)
-    except RecursionError:
-        return "<a deeply nested value>"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _free_form(r: _Reader, name: str) -> dict[str, Any]:
-    """A free-form object (validation figures, provenance): any JSON, but bounded in depth and
-    size, so that copying or serializing it later cannot blow the stack or the memory."""
-    value = r.get(name, dict, required=False, default={})
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    nodes = 0
-    while stack:
-        node, depth = stack.pop()
-        nodes += 1
-        if depth > MAX_DEPTH or nodes > MAX_NODES:
-            r.fail(r.key(name), f"an object nested at most {MAX_DEPTH} deep with at most "
-                   f"{MAX_NODES} values", f"<{'deeper' if depth > MAX_DEPTH else 'larger'}>")
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
-    return dict(value)
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    names = {int: "an integer", str: "a string", dict: "an object", list: "a list",
-             float: "a number", bool: "true or false", type(None): "null"}
-    return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
-
-
-def _file_map(r: _Reader, name: str, root: Path) -> dict[str, str]:
-    raw = r.get(name, dict)
-    if not raw:
-        r.fail(r.key(name), "a non-empty object of path -> sha256", raw)
-    out: dict[str, str] = {}
-    for rel, digest in raw.items():
-        key = f"{r.key(name)}.{rel}"
-        confine(root, rel, file=r.file, key=key)
-        if not isinstance(digest, str) or len(digest) != 64 or \
-                not all(c in "0123456789abcdef" for c in digest):
-            r.fail(key, "a sha256 hex digest", digest)
-        out[rel] = digest
-    return out
-
-
-def _vocab_ids(r: _Reader, root: Path, files: dict[str, str]) -> str | None:
+def _vocab_ids(r: Reader, root: Path, files: dict[str, str]) -> str | None:
     rel = r.get("vocab_ids", (str, type(None)), required=False)
     if rel is not None:
         confine(root, rel, file=r.file, key=r.key("vocab_ids"))
@@ -281,7 +167,7 @@ def _vocab_ids(r: _Reader, root: Path, files: dict[str, str]) -> str | None:
     return rel
 
 
-def _parse_model(r: _Reader, root: Path) -> ModelSpec:
+def _parse_model(r: Reader, root: Path) -> ModelSpec:
     kv_r = r.sub("kv")
     assert kv_r is not None
     kv = KVSpec(
@@ -302,7 +188,7 @@ def _parse_model(r: _Reader, root: Path) -> ModelSpec:
             kv_r.fail(kv_r.key(key), "a name pattern with one '{i}' field", pattern)
     path = r.get("path", str)
     confine(root, path, file=r.file, key=r.key("path"))
-    files = _file_map(r, "files", root)
+    files = file_map(r, "files", root)
     if path not in files:
         r.fail(r.key("files"), f"an object that lists the model file {path!r}", list(files))
     return ModelSpec(
@@ -324,13 +210,13 @@ def _parse_model(r: _Reader, root: Path) -> ModelSpec:
         min_cache_len=r.int_in("min_cache_len", 1, 1 << 22, required=False, default=1),
         vocab_ids=_vocab_ids(r, root, files),
         input_vocab_size=_input_vocab_size(r),
-        validation=_free_form(r, "validation"),
-        source=_free_form(r, "source"),
+        validation=free_form(r, "validation"),
+        source=free_form(r, "source"),
         head=_head(r, root, files),
     )
 
 
-def _input_vocab_size(r: _Reader) -> int | None:
+def _input_vocab_size(r: Reader) -> int | None:
     value = r.get("input_vocab_size", (int, type(None)), required=False)
     vocab = r.data["vocab_size"]  # read and checked before this
     if value is not None and not 2 <= value <= vocab:
@@ -338,97 +224,20 @@ def _input_vocab_size(r: _Reader) -> int | None:
     return value  # type: ignore[no-any-return]
 
 
-def _head(r: _Reader, root: Path, files: dict[str, str]) -> HeadSpec | None:
+def _head(r: Reader, root: Path, files: dict[str, str]) -> HeadSpec | None:
     if r.data.get("head") is None:  # absent, or null: the head is part of the graph
         return None
     hr = r.sub("head")
     assert hr is not None
     paths = {}
     for key in ("body", "logits", "shortlist"):
-        rel = _short_string(hr, key, 1024)
+        rel = short_string(hr, key, 1024)
         confine(root, rel, file=r.file, key=hr.key(key))
         if rel not in files:
             r.fail(r.key("files"), f"an object that lists {rel!r}", list(files))
         paths[key] = rel
-    return HeadSpec(hidden=_short_string(hr, "hidden", 1024),
+    return HeadSpec(hidden=short_string(hr, "hidden", 1024),
                     hidden_size=hr.int_in("hidden_size", 1, 1 << 20), **paths)
-
-
-def _short_string(r: _Reader, name: str, limit: int = 200) -> str:
-    value: str = r.get(name, str)
-    if not 0 < len(value) <= limit:
-        r.fail(r.key(name), f"a string of 1 to {limit} characters", value)
-    return value
-
-
-def _profile(r: _Reader) -> EngineProfile:
-    """min / opt / max shapes: the same inputs and ranks in each, min <= opt <= max."""
-    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
-    for kind in ("min", "opt", "max"):
-        kr = r.sub(kind)
-        assert kr is not None
-        if not 0 < len(kr.data) <= MAX_PROFILE_INPUTS:
-            kr.fail(kr.where, f"an object of 1 to {MAX_PROFILE_INPUTS} input shapes",
-                    f"<{len(kr.data)} entries>")
-        out: dict[str, tuple[int, ...]] = {}
-        for name, dims in kr.data.items():
-            key = kr.key(name)
-            if len(name) > 512 or not isinstance(dims, list) or \
-                    not 0 < len(dims) <= MAX_PROFILE_RANK or \
-                    not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 1 << 24
-                            for d in dims):
-                kr.fail(key, f"a list of 1 to {MAX_PROFILE_RANK} dimensions in [0, {1 << 24}]",
-                        dims)
-            out[name] = tuple(dims)
-        shapes[kind] = out
-    for name, low in shapes["min"].items():
-        opt, high = shapes["opt"].get(name), shapes["max"].get(name)
-        if opt is None or high is None or not len(low) == len(opt) == len(high) or \
-                not all(a <= b <= c for a, b, c in zip(low, opt, high, strict=True)):
-            r.fail(r.key(f"*.{name}"), "the same rank in min, opt and max with min <= opt <= max",
-                   [low, opt, high])
-    if set(shapes["min"]) != set(shapes["opt"]) or set(shapes["min"]) != set(shapes["max"]):
-        r.fail(r.where, "min, opt and max over the same inputs", sorted(shapes["max"]))
-    return EngineProfile(shapes["min"], shapes["opt"], shapes["max"])
-
-
-def _parse_engine(r: _Reader, root: Path) -> EngineSpec:
-    path = r.get("path", str)
-    confine(root, path, file=r.file, key=r.key("path"))
-    files = _file_map(r, "files", root)
-    if len(files) > MAX_ENGINE_FILES:
-        r.fail(r.key("files"), f"at most {MAX_ENGINE_FILES} files", f"<{len(files)} files>")
-    if path not in files:
-        r.fail(r.key("files"), f"an object that lists the EPContext model {path!r}", list(files))
-    kr = r.sub("key")
-    assert kr is not None
-    key = EngineKey(gpu=_short_string(kr, "gpu"),
-                    compute_capability=_short_string(kr, "compute_capability", 16),
-                    tensorrt=_short_string(kr, "tensorrt", 32),
-                    onnxruntime=_short_string(kr, "onnxruntime", 64))
-    pr = r.sub("profile")
-    assert pr is not None
-    return EngineSpec(path=path, files=files, key=key,
-                      precision=r.choice("precision", ENGINE_PRECISIONS),
-                      max_batch=r.int_in("max_batch", 1, 4096), profile=_profile(pr),
-                      source=_free_form(r, "source"))
-
-
-def _parse_engines(r: _Reader, root: Path, models: dict[str, ModelSpec | None]
-                   ) -> dict[str, EngineSpec]:
-    """The optional `engines` object: model name -> prebuilt TensorRT engine."""
-    er = r.sub("engines", required=False)
-    if er is None:
-        return {}
-    out: dict[str, EngineSpec] = {}
-    for name in er.data:
-        if name not in ENGINE_MODELS or models.get(name) is None:
-            er.fail(er.key(name), "an engine of a model of the pair ("
-                    + ", ".join(n for n in ENGINE_MODELS if models.get(n)) + ")", name)
-        sub = er.sub(name)
-        assert sub is not None
-        out[name] = _parse_engine(sub, root)
-    return out
 
 
 def engine_files_ready(manifest: PairManifest, model: str, *, verify_hashes: bool = True
@@ -460,7 +269,7 @@ def parse_manifest(root: Path, doc: Any, *, file: Path | None = None) -> PairMan
         ManifestError: naming the file and the key for anything missing, mistyped or unsafe.
     """
     file = file or root / MANIFEST_NAME
-    r = _Reader(file, doc)
+    r = Reader(file, doc)
     fmt = r.get("format", str)
     if fmt != FORMAT:
         r.fail("format", repr(FORMAT), fmt)
@@ -502,7 +311,7 @@ def parse_manifest(root: Path, doc: Any, *, file: Path | None = None) -> PairMan
             special.fail(f"special_tokens.{key}", f"a token id < {vocab}", value)
     tok = r.sub("tokenizer")
     assert tok is not None
-    tokenizer_files = _file_map(tok, "files", root)
+    tokenizer_files = file_map(tok, "files", root)
     d = r.sub("defaults", required=False)
     defaults = Defaults()
     if d is not None:
@@ -524,15 +333,10 @@ def parse_manifest(root: Path, doc: Any, *, file: Path | None = None) -> PairMan
         pad_token_id=pad,
         tokenizer_files=tokenizer_files,
         defaults=defaults,
-        provenance=_free_form(r, "provenance"),
+        provenance=free_form(r, "provenance"),
         version=version,
-        engines=_parse_engines(r, root, {"target": target, "draft": draft}),
+        engines=parse_engines(r, root, {"target": target, "draft": draft}),
     )
-
-
-def _reject_constant(name: str) -> None:
-    """JSON has no NaN or Infinity: read them as null (older writers could emit them)."""
-    return None
 
 
 def read_manifest(root: Path | str) -> PairManifest:
@@ -596,15 +400,6 @@ def _listed(manifest: PairManifest) -> dict[str, str]:
         if spec is not None:
             listed.update(spec.files)
     return listed
-
-
-def json_loads_bounded(data: bytes, file: Path) -> Any:
-    """Parse JSON (NaN/Infinity read as null); a ManifestError names `file` on failure."""
-    try:
-        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ManifestError(f"{file}: not valid JSON ({_short(exc)}); re-export the pair"
-                            ) from None
 
 
 def read_listed(manifest: PairManifest, rel: str, *, limit: int = MAX_TOKENIZER_FILE_BYTES

@@ -1,5 +1,6 @@
 """Reading ONNX files without the onnx package (the runtime does not depend on it): a minimal
-protobuf reader, and the external-data files a model's tensors name.
+protobuf reader, the external-data files a model's tensors name, and the summary of a graph's
+top-level nodes and inputs that `build-engine` checks and derives its profiles from.
 
 `fields` walks one message and leaves every payload where it is (spans into the buffer), so a
 multi-gigabyte model is read through `mmap` without copying its weights.
@@ -9,11 +10,17 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import ExportError
+
 VARINT, FIXED64, LENGTH, FIXED32 = 0, 1, 2, 5  # the protobuf wire types ONNX uses
+STANDARD_DOMAINS = ("", "ai.onnx")
+Dims = tuple[int | str | None, ...]
 
 
 def varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
@@ -109,3 +116,97 @@ def external_data_files(path: Path) -> set[str]:
                 if kind == "entry" and key == "location" and value is not None:
                     locations.add(value)
     return locations
+
+
+def _spans(buf: bytes) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of one protobuf message: ints for varints, bytes for
+    length-delimited fields (fixed-width fields are skipped)."""
+    for number, wire, a, b in fields(buf):
+        if wire == VARINT:
+            yield number, wire, a
+        elif wire == LENGTH:
+            yield number, wire, buf[a:b]
+
+
+def _graph(path: Path) -> bytes:
+    """The GraphProto of an ONNX file (ModelProto field 7)."""
+    data = path.read_bytes()
+    for number, wire, value in _spans(data):
+        if number == 7 and wire == 2:
+            return bytes(value)
+    raise ValueError("no graph")
+
+
+@dataclass(frozen=True)
+class GraphSummary:
+    """The top-level nodes and inputs of an ONNX graph."""
+
+    nodes: list[tuple[str, str, dict[str, int | bytes]]]  # (domain, op_type, int/str attributes)
+    inputs: list[tuple[str, Dims]]  # graph inputs that are not initializers
+
+
+def read_graph(path: Path) -> GraphSummary:
+    """Top-level nodes (domain, op type, scalar attributes) and inputs of an ONNX file.
+
+    Raises:
+        ExportError: the file is not a well-formed ONNX protobuf.
+    """
+    try:
+        nodes: list[tuple[str, str, dict[str, int | bytes]]] = []
+        inputs: list[tuple[str, Dims]] = []
+        initializers: set[str] = set()
+        for number, wire, value in _spans(_graph(path)):
+            if wire != 2:
+                continue
+            if number == 1:  # NodeProto: op_type 4, domain 7, attribute 5
+                op, domain, attrs = "", "", {}
+                for n, _, v in _spans(value):
+                    if n == 4:
+                        op = v.decode()
+                    elif n == 7:
+                        domain = v.decode()
+                    elif n == 5:  # AttributeProto: name 1, i 3, s 4
+                        name, scalar = "", None
+                        for an, _, av in _spans(v):
+                            if an == 1:
+                                name = av.decode()
+                            elif an in (3, 4):
+                                scalar = av
+                        if scalar is not None:
+                            attrs[name] = scalar
+                nodes.append((domain, op, attrs))
+            elif number == 5:  # TensorProto initializer: name 8
+                initializers.update(v.decode() for n, _, v in _spans(value) if n == 8)
+            elif number == 11:  # ValueInfoProto: name 1, type 2
+                inputs.append(_value_info(value))
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise ExportError(f"{path}: not a readable ONNX file ({exc}); re-export the pair"
+                          ) from None
+    return GraphSummary(nodes, [(n, d) for n, d in inputs if n not in initializers])
+
+
+def _value_info(buf: bytes) -> tuple[str, Dims]:
+    name, dims = "", []
+    for n, _, v in _spans(buf):
+        if n == 1:
+            name = v.decode()
+        elif n == 2:  # TypeProto.tensor_type 1 -> shape 2 -> dim 1 -> value 1 | param 2
+            for tn, _, tv in _spans(v):
+                if tn != 1:
+                    continue
+                for sn, _, sv in _spans(tv):
+                    if sn != 2:
+                        continue
+                    for dn, _, dv in _spans(sv):
+                        if dn != 1:
+                            continue
+                        dim: int | str | None = None
+                        for kn, _, kv in _spans(dv):
+                            dim = kv if kn == 1 else kv.decode() if kn == 2 else dim
+                        dims.append(dim)
+    return name, tuple(dims)
+
+
+def contrib_ops(graph: GraphSummary) -> Counter[str]:
+    """Nodes outside the standard ONNX domain, e.g. {"com.microsoft.GroupQueryAttention": 2}."""
+    return Counter(f"{d}.{op}" for d, op, _ in graph.nodes if d not in STANDARD_DOMAINS)

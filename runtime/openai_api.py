@@ -7,8 +7,10 @@ specedge's acceptance rate and tokens per round as the extra field `usage.speced
 error body `{"error": {"message", "type", "param", "code"}}`.
 
 Pure functions and frozen dataclasses only: no HTTP, no decoding. Fields that would change what
-a client gets back (`n` > 1, `logprobs`, `tools`, `response_format`, penalties, ...) are refused
+a client gets back (`n` > 1, `tools`, `response_format`, penalties, `echo`, ...) are refused
 with a 400 naming the field; unknown fields that change nothing are ignored, as OpenAI does.
+`logprobs` (chat: with `top_logprobs` 0..20; completions: 0..5) returns the target's
+log-probability of every generated token (`runtime/logprobs`), in each API's own shape.
 """
 
 from __future__ import annotations
@@ -16,17 +18,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .pair import GenerationConfig, GenerationResult, Prompt
 from .policy import DRAFTER_CHOICES
 from .sampling import SamplingParams
 
 __all__ = ["APIError", "ParsedRequest", "RequestDefaults", "ResponseShape", "error_body",
-           "finish_reason", "parse_request", "sse", "usage"]
+           "finish_reason", "logprobs_json", "parse_request", "sse", "usage"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -142,7 +145,7 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
 
 # Fields that would change what the client gets back, and the values that change nothing.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None,),
+    "n": (None, 1), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "logit_bias": (None, {}), "echo": (None, False),
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
@@ -236,6 +239,22 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
                           min_p=min_p or 0.0, seed=_seed(body))
 
 
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+
+
+def _logprobs(kind: str, body: Mapping[str, Any]) -> int | None:
+    """How many alternatives per token the request asks for (None: no logprobs). Chat:
+    `logprobs` true, with `top_logprobs`; completions: `logprobs` 0..5."""
+    if kind == "text":
+        return _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if top is not None:
+            raise _bad("top_logprobs", "only allowed with logprobs: true")
+        return None
+    return top or 0
+
+
 def _plan_fields(body: Mapping[str, Any], defaults: RequestDefaults
                  ) -> tuple[str | None, int | None, bool | None]:
     drafter = body.get("drafter")
@@ -305,7 +324,8 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
     try:
         config = GenerationConfig(max_new_tokens=max_tokens or defaults.max_tokens_limit,
                                   sampling=_sampling(body), num_draft_tokens=k,
-                                  drafter=drafter, adaptive=adaptive, stop=_stop(body.get("stop")))
+                                  drafter=drafter, adaptive=adaptive, stop=_stop(body.get("stop")),
+                                  logprobs=_logprobs(kind, body))
     except InputError as exc:  # ranges the helpers above leave to the runtime's own checks
         raise APIError(400, str(exc)) from None
     return ParsedRequest(kind, prompt, config, max_tokens is not None, stream, include_usage)
@@ -330,6 +350,40 @@ def usage(result: GenerationResult) -> dict[str, Any]:
                          "rounds": stats.rounds}}
 
 
+def logprobs_json(kind: str, entries: Sequence[TokenLogprob],
+                  token_bytes: Callable[[int], bytes], *, before: bytes = b"") -> dict[str, Any]:
+    """A choice's `logprobs` object for `entries` (one per generated token, in order).
+
+    Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal"}`.
+    Completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, where each
+    `top_logprobs` dict also holds the chosen token (as OpenAI's legacy API does) and
+    `text_offset` counts characters after `before`, the completion's bytes already sent.
+    `token_bytes` gives a token's bytes (`Tokenizer.token_bytes`); a token that holds part of
+    a UTF-8 character shows it as U+FFFD in `token`, whole in `bytes`.
+    """
+    def text(token: int) -> str:
+        return token_bytes(token).decode("utf-8", errors="replace")
+
+    if kind == "chat":
+        def item(token: int, logprob: float) -> dict[str, Any]:
+            raw = token_bytes(token)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+                    "bytes": list(raw)}
+
+        return {"content": [{**item(e.token, e.logprob),
+                             "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+    offsets, done = [], bytearray(before)
+    for e in entries:
+        offsets.append(len(done.decode("utf-8", errors="ignore")))
+        done += token_bytes(e.token)
+    return {"tokens": [text(e.token) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t): lp for t, lp in (*e.top, (e.token, e.logprob))}
+                             for e in entries],
+            "text_offset": offsets}
+
+
 @dataclass(frozen=True)
 class ResponseShape:
     """The id, kind and model of one response, and its bodies and chunks."""
@@ -349,25 +403,31 @@ class ResponseShape:
             else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str | None, finish: str | None, chunk: bool) -> dict[str, Any]:
+    def _choice(self, text: str | None, finish: str | None, chunk: bool,
+                logprobs: dict[str, Any] | None) -> dict[str, Any]:
         if self.kind == "text":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs,
+                    "finish_reason": finish}
         if not chunk:
             return {"index": 0, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": finish}
+                    "logprobs": logprobs, "finish_reason": finish}
         delta: dict[str, Any] = {} if text is None else {"content": text}
         if text == "":  # the opening chunk
             delta = {"role": "assistant", "content": ""}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def body(self, result: GenerationResult) -> dict[str, Any]:
-        """The whole (non-streaming) response."""
-        choice = self._choice(result.text, finish_reason(result.stop_reason), chunk=False)
+    def body(self, result: GenerationResult, logprobs: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+        """The whole (non-streaming) response (`logprobs`: see `logprobs_json`)."""
+        choice = self._choice(result.text, finish_reason(result.stop_reason), False, logprobs)
         return {**self._head(False), "choices": [choice], "usage": usage(result)}
 
-    def chunk(self, text: str | None, finish: str | None = None) -> bytes:
-        """One SSE event: a text delta ("" opens a chat stream; None with a finish_reason)."""
-        return sse({**self._head(True), "choices": [self._choice(text, finish, chunk=True)]})
+    def chunk(self, text: str | None, finish: str | None = None,
+              logprobs: dict[str, Any] | None = None) -> bytes:
+        """One SSE event: a text delta ("" opens a chat stream; None with a finish_reason),
+        with the logprobs of the tokens it adds (see `logprobs_json`)."""
+        return sse({**self._head(True),
+                    "choices": [self._choice(text, finish, True, logprobs)]})
 
     def usage_chunk(self, result: GenerationResult) -> bytes:
         """The final SSE event of `stream_options.include_usage`: no choices, the usage."""

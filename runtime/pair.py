@@ -14,115 +14,41 @@ statistics, so several threads may generate at once.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
-import threading
 import time
-from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .adaptive import AdaptiveK, new_tuner
+from .adaptive import AdaptiveK, TunerStore
 from .backend import OrtModel
-from .batch import BatchStats, RowRequest, decode_batch
-from .detokenize import StopStrings
+from .batch import RowRequest, decode_batch
 from .drafters import build_drafter, draft_model_cache
 from .errors import InputError
+from .generation import (
+    BatchResult,
+    GenerationConfig,
+    GenerationResult,
+    Prompt,
+    as_config,
+    row_configs,
+)
 from .hugepages import HugePageLoad, HugePageReport
-from .loading import ThreadPlan, load_model, plan_threads
+from .loading import ThreadPlan, load_model, plan_threads, session_plan
 from .manifest import PairManifest, load_manifest
 from .policy import DRAFTER_CHOICES, MODEL_DRAFTERS, DecodePlan, resolve_plan
 from .prefix_cache import Entry, PrefixCache, cache_capacity, extend, kept_prefix
 from .rounds import RowOutput, RowSampler
-from .sampling import SamplingParams
-from .sessions import SessionConfig
 from .speculative import decode
 from .stats import GenerationStats
 from .text import Tokenizer
 
-Prompt = str | Sequence[Mapping[str, str]]
 __all__ = ["DRAFTER_CHOICES", "BatchResult", "GenerationConfig", "GenerationResult", "Pair",
-           "Prompt", "ThreadPlan", "load_model", "plan_threads"]
+           "Prompt", "ThreadPlan", "as_config", "load_model", "plan_threads"]
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """What to generate.
-
-    Attributes:
-        max_new_tokens: upper bound on generated tokens (1..1_000_000).
-        sampling: temperature / top-k / top-p / min-p / seed (temperature 0 = greedy).
-        num_draft_tokens: k; None takes the pair's default (from export or `specedge tune`).
-        drafter: "model", "ngram", "hybrid" or "none" (target only); None = pair default.
-        adaptive: adapt k to measured acceptance and costs; None = pair default.
-        stop: stop strings (may span tokens); the text is cut before the stop string. One
-            string is one stop string (as the server's `stop`); a list becomes a tuple.
-        chat: render a str prompt through the chat template as one user message.
-        draft_p_min: the draft model stops proposing at a token it gives less than this
-            probability (0 = never; None = the default, `policy.DRAFT_P_MIN`).
-    """
-
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_draft_tokens: int | None = None
-    drafter: str | None = None
-    adaptive: bool | None = None
-    stop: tuple[str, ...] = ()
-    chat: bool = False
-    draft_p_min: float | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or \
-                not 1 <= self.max_new_tokens <= 1_000_000:
-            raise InputError(f"max_new_tokens must be an integer in [1, 1000000], got "
-                             f"{self.max_new_tokens!r}")
-        k = self.num_draft_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64):
-            raise InputError(f"num_draft_tokens must be an integer in [1, 64], got {k!r}")
-        if self.drafter is not None and self.drafter not in DRAFTER_CHOICES:
-            raise InputError(f"drafter must be one of {', '.join(DRAFTER_CHOICES)}, got "
-                             f"{self.drafter!r}")
-        if isinstance(self.stop, str):  # one stop string, as the server's `stop` takes it
-            object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, list | tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        else:
-            raise InputError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        StopStrings(self.stop)  # validates
-        if not isinstance(self.sampling, SamplingParams):
-            raise InputError(f"sampling must be a SamplingParams, got {self.sampling!r}")
-        if self.adaptive is not None and not isinstance(self.adaptive, bool):
-            raise InputError(f"adaptive must be true, false or None, got {self.adaptive!r}")
-        if not isinstance(self.chat, bool):
-            raise InputError(f"chat must be true or false, got {self.chat!r}")
-        p = self.draft_p_min
-        if p is not None and (isinstance(p, bool) or not isinstance(p, int | float) or
-                              not 0.0 <= p < 1.0):
-            raise InputError(f"draft_p_min must be a number in [0, 1), got {p!r}")
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """The outcome of one generation."""
-
-    text: str
-    tokens: list[int]  # generated token ids (after the prompt)
-    prompt_tokens: list[int]
-    stop_reason: str  # "eos" | "max_new_tokens" | "context" | "stop"
-    stats: GenerationStats
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    """The outcome of one batched generation: one result per prompt, in order, and totals."""
-
-    results: list[GenerationResult]
-    stats: BatchStats
 
 
 def _timed(rounds: Generator[list[int], None, str], stats: GenerationStats, start: float
@@ -132,38 +58,6 @@ def _timed(rounds: Generator[list[int], None, str], stats: GenerationStats, star
         return (yield from rounds)
     finally:
         stats.total_s = time.perf_counter() - start
-
-
-def as_config(config: object) -> GenerationConfig:
-    """`config`, or the default for None; anything else (a dict of options, say) is refused in
-    one line instead of failing on a missing attribute later."""
-    if config is None:
-        return GenerationConfig()
-    if not isinstance(config, GenerationConfig):
-        raise InputError(f"expected a GenerationConfig (or None), got {type(config).__name__}; "
-                         "build one: GenerationConfig(max_new_tokens=..., ...)")
-    return config
-
-
-def _row_configs(n: int, configs: GenerationConfig | Sequence[GenerationConfig] | None
-                 ) -> Sequence[GenerationConfig]:
-    """One config per row of a batch of `n` (one given for all is repeated); the rows must
-    share their decoding plan."""
-    if configs is None or isinstance(configs, GenerationConfig):
-        configs = [as_config(configs)] * n
-    if isinstance(configs, str | bytes | Mapping) or not isinstance(configs, Sequence):
-        raise InputError(f"expected a GenerationConfig or a list of them, got "
-                         f"{type(configs).__name__}")
-    configs = [as_config(c) for c in configs]
-    if len(configs) != n:
-        raise InputError(f"{n} prompts but {len(configs)} configs; give one "
-                         "config per prompt or one for all")
-    shared = {(c.drafter, c.num_draft_tokens, c.adaptive, c.draft_p_min) for c in configs}
-    if len(shared) > 1:
-        raise InputError("the rows of a batch share drafter, num_draft_tokens, adaptive and "
-                         "draft_p_min; "
-                         "per row: sampling, seed, max_new_tokens, stop, chat")
-    return configs
 
 
 class Pair:
@@ -176,10 +70,8 @@ class Pair:
         # The caches of finished batch-1 generations, for prompts that start alike (see
         # `runtime/prefix_cache`; size 0 keeps none).
         self.prefixes = PrefixCache(prefix_cache)
-        # Adaptive-K state learned by generations, per (batch size, drafter, k max): the next
-        # such generation starts from what this device measured instead of from a prior.
-        self._tuners: dict[tuple[int, str, int], AdaptiveK] = {}
-        self._tuner_lock = threading.Lock()
+        # Adaptive-K state learned by generations, per (batch size, drafter, k max).
+        self.tuners = TunerStore()
         # Why a listed TensorRT engine was not used, per model (empty when none was skipped).
         self.engine_notes: dict[str, str] = {}
         # What loading did about huge pages for the weights (see `hugepages`).
@@ -241,31 +133,8 @@ class Pair:
         if plan is not None and not isinstance(plan, ThreadPlan):
             raise InputError(f"plan must be a ThreadPlan (or None), got {type(plan).__name__}")
         manifest = load_manifest(path, verify_hashes=verify_hashes)
-        if isinstance(providers, str):
-            target_p = draft_p = providers
-        else:
-            if not isinstance(providers, Sequence) or len(providers) != 2:
-                raise InputError("providers must be one name or (target, draft)")
-            target_p, draft_p = providers
-        d = manifest.defaults
-        plan = plan or plan_threads(target_p, draft_p, d.target_threads, d.draft_threads)
-        if cuda_graph and "cuda" not in (plan.target.provider, plan.draft.provider):
-            raise InputError("CUDA graphs need a model on the cuda provider; use --providers "
-                             "cuda (or cuda,cpu), or drop --cuda-graph")
-        # CUDA graphs replay the in-place (gqa-shared) steps: a concat-form target keeps
-        # plain runs beside a gqa-shared draft that replays its own.
-        graphed = {name: cuda_graph and spec is not None and spec.graph == "gqa-shared"
-                   for name, spec in (("target", manifest.target), ("draft", manifest.draft))}
-        if cuda_graph and not any(graphed.values()):
-            raise InputError("--cuda-graph replays gqa-shared models, and this pair has none; "
-                             "re-export it without --graph concat (or with --draft-graph "
-                             "gqa-shared), or drop --cuda-graph")
-        if cuda_graph or device_argmax is not None or not split_head:
-            def tuned(c: SessionConfig, name: str) -> SessionConfig:
-                argmax = c.device_argmax if device_argmax is None else device_argmax
-                return replace(c, device_argmax=argmax, split_head=split_head,
-                               cuda_graph=c.cuda_graph or (graphed[name] and c.provider == "cuda"))
-            plan = ThreadPlan(tuned(plan.target, "target"), tuned(plan.draft, "draft"))
+        plan = session_plan(manifest, providers, plan, cuda_graph=cuda_graph,
+                            device_argmax=device_argmax, split_head=split_head)
         tokenizer = Tokenizer.from_folder(manifest.root, bos_token_id=manifest.bos_token_id,
                                           eos_token_ids=manifest.eos_token_ids)
         if tokenizer.vocab_size > manifest.vocab_size:
@@ -358,40 +227,7 @@ class Pair:
         """The output tracker of one generation: budget, eos, and (with text) stop strings."""
         return RowOutput(config.max_new_tokens, self.manifest.eos_token_ids,
                          tokenizer=self.tokenizer if text else None, prompt_ids=prompt_ids,
-                         stop=config.stop if text else ())
-
-    def _take_tuner(self, key: tuple[int, str, int], plan: DecodePlan,
-                    prefill: Sequence[int] = ()) -> AdaptiveK | None:
-        """A copy of what earlier generations with this key learned; None when the plan is
-        not adaptive. Copied, so concurrent generations do not share one. `prefill`: see
-        `AdaptiveK.new_text`.
-
-        The first generation at a batch size starts from the tuner of the nearest batch size
-        with the same drafter and k (a new tuner only when there is none): its costs are keyed
-        by the tokens a call feeds, so they price calls at the new size too, and acceptance
-        belongs to the pair and the text, not to the batch size. A cold tuner drafts before it
-        has measured anything and then spends a round at k = 0 to measure plain decoding: on
-        the CPU, 32 new tokens per row, the first batch at B = 4 and 8 ran at 0.88x and 0.93x
-        of target-only cold against 1.00x and 1.05x warm."""
-        if not plan.adaptive:
-            return None
-        with self._tuner_lock:
-            stored = self._tuners.get(key)
-            if stored is None:
-                same = [k for k in self._tuners if k[1:] == key[1:]]
-                if same:  # the nearest size; between two, the larger
-                    stored = self._tuners[min(same, key=lambda k: (abs(k[0] - key[0]),
-                                                                   -k[0]))]
-        if stored is None:
-            return new_tuner(plan.drafter, plan.k)
-        tuner = copy.deepcopy(stored)
-        tuner.new_text(prefill=prefill, rows=key[0])
-        return tuner
-
-    def _keep_tuner(self, key: tuple[int, str, int], tuner: AdaptiveK | None) -> None:
-        if tuner is not None:
-            with self._tuner_lock:
-                self._tuners[key] = tuner
+                         stop=config.stop if text else (), top_logprobs=config.logprobs)
 
     def _decode(self, ids: list[int], config: GenerationConfig, stats: GenerationStats,
                 output: RowOutput) -> Generator[list[int], None, str]:
@@ -417,7 +253,7 @@ class Pair:
         stats.cached_tokens = reused
         sampler = RowSampler(config.sampling, self.target.spec.vocab_size)
         key = (1, plan.drafter, plan.k)
-        tuner = self._take_tuner(key, plan) if drafter is not None else None
+        tuner = self.tuners.take(key) if drafter is not None and plan.adaptive else None
         rounds = decode(self.target, cache, drafter, ids, plan, sampler, output, stats,
                         tuner=tuner)
         kept = (Entry(kept_prefix(ids), max_len, cache, draft_model_cache(drafter))
@@ -445,7 +281,7 @@ class Pair:
             if prefilled and kept is not None:
                 self.prefixes.put(kept)
             raise
-        self._keep_tuner(key, tuner)
+        self.tuners.keep(key, tuner)
         self._settle_pages()
         if kept is not None:
             self.prefixes.put(kept)
@@ -482,32 +318,37 @@ class Pair:
         return _timed(self._decode(ids, config, stats, self.new_output(ids, config, text=False)),
                       stats, start)
 
-    def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
-               stats: GenerationStats | None = None
-               ) -> Generator[str, None, GenerationResult]:
-        """Yield text deltas as they are generated (multi-byte safe, stop strings honoured)."""
+    def open(self, prompt: Prompt, config: GenerationConfig | None = None,
+             stats: GenerationStats | None = None
+             ) -> tuple[list[int], RowOutput, Generator[list[int], None, str]]:
+        """A generation as its parts: the prompt's ids; its output, which the rounds fill
+        (tokens, text and `delta()`, stop strings, logprobs); and the rounds, each yielding the
+        tokens it kept (close it to abandon the generation). What `stream` runs, for callers
+        that read the output between rounds (the server). `stats` is complete, `total_s`
+        included, when the rounds end or are closed."""
         config = as_config(config)
         start = time.perf_counter()
         stats = stats if stats is not None else GenerationStats()
         ids = self.encode_prompt(prompt, chat=config.chat)
         output = self.new_output(ids, config)
-        gen = self._decode(ids, config, stats, output)
+        return ids, output, _timed(self._decode(ids, config, stats, output), stats, start)
+
+    def stream(self, prompt: Prompt, config: GenerationConfig | None = None,
+               stats: GenerationStats | None = None
+               ) -> Generator[str, None, GenerationResult]:
+        """Yield text deltas as they are generated (multi-byte safe, stop strings honoured)."""
+        stats = stats if stats is not None else GenerationStats()
+        ids, output, rounds = self.open(prompt, config, stats)
         try:
-            while True:
-                try:
-                    next(gen)
-                except StopIteration:
-                    break
+            for _ in rounds:
                 if delta := output.delta():
                     yield delta
+            output.finish()  # flushes the detokenizer: its held-back bytes
             if delta := output.delta():
                 yield delta
         finally:
-            gen.close()
-            stats.total_s = time.perf_counter() - start
-        reason = output.finish()  # flushes the detokenizer: before reading the text
-        return GenerationResult(text=output.text, tokens=list(output.tokens), prompt_tokens=ids,
-                                stop_reason=reason, stats=stats)
+            rounds.close()
+        return GenerationResult.of(output, ids, stats)
 
     def generate(self, prompt: Prompt, config: GenerationConfig | None = None) -> GenerationResult:
         """Generate a completion for a prompt (str) or chat messages (list of dicts)."""
@@ -547,7 +388,7 @@ class Pair:
         if isinstance(prompts, str) or not prompts:
             raise InputError("generate_batch takes a non-empty list of prompts")
         start = time.perf_counter()
-        configs = _row_configs(len(prompts), configs)
+        configs = row_configs(len(prompts), configs)
         ids_list = [self.encode_prompt(p, chat=c.chat) for p, c in zip(prompts, configs,
                                                                         strict=True)]
         return self._batch(ids_list, configs, compact, start, text=True)
@@ -563,7 +404,7 @@ class Pair:
             raise InputError("generate_batch_ids takes a non-empty list of non-empty token-id "
                              "prompts")
         start = time.perf_counter()
-        configs = _row_configs(len(rows), configs)
+        configs = row_configs(len(rows), configs)
         return self._batch([self.check_ids(ids) for ids in rows], configs, compact,
                            start, text=False)
 
@@ -579,17 +420,14 @@ class Pair:
                     for ids, c in zip(ids_list, configs, strict=True)]
         key = (len(ids_list), plan.drafter, plan.k)
         # A batch prefills the draft only if it starts drafting: weighed with the drafts.
-        tuner = self._take_tuner(key, plan, [len(ids) for ids in ids_list])
+        tuner = self.tuners.take(key, [len(ids) for ids in ids_list]) if plan.adaptive else None
         rows, totals = decode_batch(self.target, self.draft, plan, requests, max_len=max_len,
                                     compact=compact, tuner=tuner)
-        self._keep_tuner(key, tuner)
+        self.tuners.keep(key, tuner)
         results = []
         for row, ids in zip(rows, ids_list, strict=True):
             row.stats.total_s = time.perf_counter() - start
-            reason = row.output.finish()  # flushes the detokenizer: before reading the text
-            results.append(GenerationResult(text=row.output.text, tokens=list(row.generated),
-                                            prompt_tokens=ids, stop_reason=reason,
-                                            stats=row.stats))
+            results.append(GenerationResult.of(row.output, ids, row.stats))
         totals.total_s = time.perf_counter() - start
         self._settle_pages()
         return BatchResult(results=results, stats=totals)

@@ -13,7 +13,8 @@ construction:
   greedily. Unseeded sampling uses the rejection rule of Leviathan et al. 2023 / Chen et al. 2023
   (`acceptance.accept_sample`), which accepts most often.
 - `RowOutput`: the eos / token budget / stop-string cut, applied token by token, so the result
-  (text, tokens, reason) is what target-only decoding gives, whatever K and drafter.
+  (text, tokens, reason) is what target-only decoding gives, whatever K and drafter; and the
+  kept tokens' log-probabilities when the row asks for them (`runtime/logprobs`).
 - `fed_prefix`: how much of a draft cache survives a commit (rollback by length).
 """
 
@@ -25,11 +26,12 @@ import numpy as np
 
 from .acceptance import accept_greedy, accept_greedy_ids, accept_sample, sample_token
 from .detokenize import IncrementalDetokenizer, StopStrings
+from .logprobs import TokenLogprob, token_logprobs
 from .policy import DecodePlan
 from .sampling import SamplingParams, warp_probs
 from .text import Tokenizer
 
-__all__ = ["RowOutput", "RowSampler", "fed_prefix"]
+__all__ = ["RowOutput", "RowSampler", "fed_prefix", "needs_logits"]
 
 
 class RowSampler:
@@ -139,12 +141,16 @@ class RowOutput:
         eos_token_ids: tokens that end the generation.
         tokenizer, prompt_ids: for the text (incremental, multi-byte safe); None: tokens only.
         stop: stop strings.
+        top_logprobs: None keeps no log-probabilities; n >= 0 keeps each kept token's, with
+            its n most likely alternatives (`logprobs`, one per token of `tokens`).
     """
 
     def __init__(self, max_new_tokens: int, eos_token_ids: Sequence[int], *,
                  tokenizer: Tokenizer | None = None, prompt_ids: Sequence[int] = (),
-                 stop: Sequence[str] = ()) -> None:
+                 stop: Sequence[str] = (), top_logprobs: int | None = None) -> None:
         self.max_new_tokens = max_new_tokens
+        self.top_logprobs = top_logprobs
+        self.logprobs: list[TokenLogprob] = []
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.stops = StopStrings(list(stop))
         if self.stops and tokenizer is None:
@@ -162,8 +168,19 @@ class RowOutput:
     def done(self) -> bool:
         return self.reason is not None
 
-    def push(self, new: Sequence[int] | np.ndarray) -> list[int]:
-        """Add one round's committed tokens; returns the ones kept (a prefix of `new`)."""
+    def push(self, new: Sequence[int] | np.ndarray, logits: np.ndarray | None = None
+             ) -> list[int]:
+        """Add one round's committed tokens; returns the ones kept (a prefix of `new`).
+
+        `logits` `[len(new), vocab]`: the target's logits that produced them, for a row that
+        keeps log-probabilities (see `needs_logits`)."""
+        kept = self._push(new)
+        if self.top_logprobs is not None and kept:
+            assert logits is not None, "a row keeping logprobs needs its logits"
+            self.logprobs.extend(token_logprobs(logits[:len(kept)], kept, self.top_logprobs))
+        return kept
+
+    def _push(self, new: Sequence[int] | np.ndarray) -> list[int]:
         kept: list[int] = []
         for t in new:
             if self.reason is not None:
@@ -216,6 +233,12 @@ class RowOutput:
         out = self.text[self._shown:safe]
         self._shown = safe
         return out
+
+
+def needs_logits(sampler: RowSampler, output: RowOutput) -> bool:
+    """Whether a row's verification needs the target's logits on the host: sampled rows, and
+    greedy rows that keep log-probabilities (others take argmax ids, maybe from the device)."""
+    return not sampler.greedy or output.top_logprobs is not None
 
 
 def fed_prefix(fed: list[int], tokens: Sequence[int], stable: int = 0) -> int:

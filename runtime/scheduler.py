@@ -28,286 +28,29 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
-from .errors import InputError, SpecEdgeError
+from .errors import InputError
+from .generation import GenerationConfig, Prompt
+from .job_engines import BatchEngine, SerialEngine
+from .jobs import (
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    Job,
+    QueueFull,
+    SchedulerOptions,
+    failure,
+    log_failure,
+)
 from .metrics import Metrics
-from .pair import GenerationConfig, GenerationResult, Pair, Prompt
-from .rounds import RowOutput
-from .serving import ContinuousBatch
+from .pair import Pair
 
 log = logging.getLogger("specedge.serve")
 
 __all__ = ["Delta", "Failed", "Finished", "Job", "QueueFull", "Scheduler",
            "SchedulerOptions"]
-
-
-@dataclass(frozen=True)
-class SchedulerOptions:
-    """How the worker schedules.
-
-    Attributes:
-        max_batch: rows decoding together (concat pairs; gqa-shared pairs run one at a time).
-        max_queue: jobs waiting beyond the running ones before `submit` refuses.
-        request_timeout_s: a job still unfinished this long after submission is ended.
-        max_context: prompt + generated tokens per job (also sizes the batch's KV cache).
-        drafter, num_draft_tokens, adaptive: the decoding plan (None: the pair's defaults).
-        warmup_tokens: tokens `warm_up` decodes (0: none).
-        prefill_budget: prompt tokens a batch prefills between two rounds while rows decode
-            (0: whole prompts at once).
-    """
-
-    max_batch: int = 4
-    max_queue: int = 16
-    request_timeout_s: float = 300.0
-    max_context: int = 2048
-    drafter: str | None = None
-    num_draft_tokens: int | None = None
-    adaptive: bool | None = None
-    warmup_tokens: int = 8
-    prefill_budget: int = 256
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    result: GenerationResult
-
-
-@dataclass(frozen=True)
-class Failed:
-    reason: str  # "cancelled" | "timeout" | "input" | "internal" | "shutdown"
-    message: str
-
-
-Event = Delta | Finished | Failed
-
-
-class QueueFull(Exception):
-    """The queue is full; try again in `retry_after` seconds."""
-
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"the queue is full; retry after {retry_after} s")
-        self.retry_after = retry_after
-
-
-class Job:
-    """One generation request, as the worker sees it."""
-
-    def __init__(self, prompt: Prompt, config: GenerationConfig,
-                 sink: Callable[[Event], None], deadline_s: float) -> None:
-        self.prompt, self.config, self.sink = prompt, config, sink
-        self.submitted = time.monotonic()
-        self.deadline = self.submitted + deadline_s
-        self.cancelled = False  # set by any thread, read by the worker before each round
-        self.done = False
-        self.first_text_at: float | None = None
-        self.rounds = 0  # rounds run while holding a slot
-        self.cancel_round: int | None = None  # `rounds` when the cancel was asked
-        self.rounds_after_cancel: int | None = None  # rounds run between cancel and release
-        self.request_id = -1  # ContinuousBatch id
-        self.output: RowOutput | None = None
-
-    def emit(self, event: Event) -> None:
-        if isinstance(event, Delta) and self.first_text_at is None:
-            self.first_text_at = time.monotonic()
-        try:
-            self.sink(event)
-        except Exception:  # a sink whose client went away must not stop the worker
-            log.debug("dropped an event for a closed request", exc_info=True)
-
-
-# ------------------------------------------------------------------------------- engines
-
-Outcomes = list[tuple[Job, Finished | Failed]]
-
-
-def _failure(exc: Exception) -> Failed:
-    """A decoding error as the client sees it: input errors say why, others say nothing."""
-    if isinstance(exc, InputError):
-        return Failed("input", str(exc))
-    return Failed("internal", "decoding failed")
-
-
-def _log_failure(exc: Exception) -> None:
-    if isinstance(exc, InputError):
-        log.info("request refused by the runtime: %s", exc)
-    elif isinstance(exc, SpecEdgeError):
-        log.error("decoding failed: %s", exc)
-    else:
-        log.error("decoding failed", exc_info=exc)
-
-
-class _BatchEngine:
-    """Jobs as rows of one `ContinuousBatch` (concat-form pairs)."""
-
-    def __init__(self, pair: Pair, options: SchedulerOptions) -> None:
-        self.pair, self.options = pair, options
-        self.batch = self._new_batch()
-        self.jobs: dict[int, Job] = {}
-        # Finished jobs and their replies, the latest last, for `idle_work` (with prefixes kept
-        # in the batch's free slots: a pair loaded with a prefix cache).
-        self.ahead: deque[tuple[Job, str]] = deque(maxlen=options.max_batch)
-
-    def warm_up(self, prompt: Prompt, config: GenerationConfig) -> None:
-        self.batch.submit(prompt, config)
-        self.batch.run()
-
-    def idle_work(self) -> Callable[[], None] | None:
-        """With no job waiting: prefill the latest finished request's prompt and reply into
-        the free slot that holds its prompt (`ContinuousBatch.prefill_ahead`); None when there
-        is nothing to do."""
-        if not self.ahead:
-            return None
-        job, reply = self.ahead.pop()
-
-        def work() -> None:
-            try:
-                self.batch.prefill_ahead(self.pair.conversation_ids(
-                    job.prompt, reply, chat=job.config.chat))
-            except Exception as exc:  # the kept prefixes are dropped; requests are not affected
-                log.warning("prefilling a finished conversation ahead failed: %s", exc)
-
-        return work
-
-    def _new_batch(self) -> ContinuousBatch:
-        o = self.options
-        return ContinuousBatch(self.pair, capacity=o.max_batch, max_len=o.max_context,
-                               drafter=o.drafter, num_draft_tokens=o.num_draft_tokens,
-                               adaptive=o.adaptive, keep_prefixes=self.pair.prefixes.size > 0,
-                               prefill_budget=o.prefill_budget or None)
-
-    @property
-    def running(self) -> int:
-        return len(self.batch.running)
-
-    def admit(self, job: Job) -> None:
-        job.request_id = self.batch.submit(job.prompt, job.config)
-        job.output = self.batch.output(job.request_id)
-        self.jobs[job.request_id] = job
-
-    def drop(self, job: Job) -> None:
-        self.batch.cancel(job.request_id)
-        self.jobs.pop(job.request_id, None)
-
-    def round(self) -> Outcomes:
-        """One round of the batch; a failure fails every job (the batch is rebuilt)."""
-        try:
-            finished = self.batch.step()
-        except Exception as exc:
-            _log_failure(exc)
-            return [(job, _failure(exc)) for job in self.fail_all()]
-        holding = {p.request_id for p, _ in self.batch.running.values()}
-        holding.update(rid for rid, _ in finished)
-        for rid in holding:
-            job = self.jobs[rid]
-            job.rounds += 1
-            assert job.output is not None
-            if text := job.output.delta():
-                job.emit(Delta(text))
-        done = [(self.jobs.pop(rid), result) for rid, result in finished]
-        if self.batch.decoder.prefixes.keep:
-            self.ahead.extend((job, result.text) for job, result in done)
-        return [(job, Finished(result)) for job, result in done]
-
-    def fail_all(self) -> list[Job]:
-        jobs = list(self.jobs.values())
-        self.jobs.clear()
-        self.ahead.clear()
-        self.batch = self._new_batch()  # a failed round leaves no state worth keeping
-        return jobs
-
-
-class _SerialEngine:
-    """Jobs as batch-1 `Pair.stream` generations, first in first out (gqa-shared pairs)."""
-
-    def __init__(self, pair: Pair) -> None:
-        self.pair = pair
-        self.fifo: deque[Job] = deque()
-        self.current: Job | None = None
-        self.stream: Any = None
-        self.ahead: Job | None = None  # the last finished job, for `idle_work`
-        self.reply = ""
-
-    def idle_work(self) -> Callable[[], None] | None:
-        """With no job waiting: prefill the last finished request's prompt and reply into the
-        kept caches (`Pair.prefill_ahead`), so that a client sending its conversation on
-        prefills only its new message; None when there is nothing to do."""
-        job, self.ahead = self.ahead, None
-        if job is None:
-            return None
-
-        def work() -> None:
-            try:
-                self.pair.prefill_ahead(self.pair.conversation_ids(
-                    job.prompt, self.reply, chat=job.config.chat))
-            except Exception as exc:  # the caches are dropped; requests are not affected
-                log.warning("prefilling the last conversation ahead failed: %s", exc)
-
-        return work
-
-    def warm_up(self, prompt: Prompt, config: GenerationConfig) -> None:
-        self.pair.generate(prompt, config)
-
-    @property
-    def jobs(self) -> dict[int, Job]:
-        every = ([self.current] if self.current else []) + list(self.fifo)
-        return {id(j): j for j in every}
-
-    @property
-    def running(self) -> int:
-        return 1 if self.current else 0
-
-    def admit(self, job: Job) -> None:
-        self.fifo.append(job)
-
-    def drop(self, job: Job) -> None:
-        if job is self.current:
-            if self.stream is not None:
-                self.stream.close()  # ends the decode loop and frees its caches now
-            self.current = self.stream = None
-        elif job in self.fifo:
-            self.fifo.remove(job)
-
-    def round(self) -> Outcomes:
-        """Run until the current job's next text delta (one round, or a few when stop-string
-        prefixes hold text back); a failure fails the current job only."""
-        if self.current is None:
-            self.current = self.fifo.popleft()
-        job = self.current
-        try:
-            if self.stream is None:
-                self.stream = self.pair.stream(job.prompt, job.config)
-            text = next(self.stream)
-        except StopIteration as stop:
-            self.current = self.stream = None
-            result: GenerationResult = stop.value
-            if self.pair.prefixes.size:
-                self.ahead, self.reply = job, result.text
-            return [(job, Finished(result))]
-        except Exception as exc:
-            self.current = self.stream = None
-            _log_failure(exc)
-            return [(job, _failure(exc))]
-        job.rounds += 1
-        job.emit(Delta(text))
-        return []
-
-    def fail_all(self) -> list[Job]:
-        jobs = list(self.jobs.values())
-        if self.stream is not None:
-            self.stream.close()
-        self.current = self.stream = None
-        self.fifo.clear()
-        return jobs
-
-
-# ------------------------------------------------------------------------------- scheduler
 
 
 class Scheduler:
@@ -324,8 +67,8 @@ class Scheduler:
         self.pair, self.options = pair, options or SchedulerOptions()
         self.metrics = metrics or Metrics()
         self.batched = pair.manifest.target.graph == "concat"
-        self.engine: _BatchEngine | _SerialEngine = (
-            _BatchEngine(pair, self.options) if self.batched else _SerialEngine(pair))
+        self.engine: BatchEngine | SerialEngine = (
+            BatchEngine(pair, self.options) if self.batched else SerialEngine(pair))
         self.slots = self.options.max_batch if self.batched else 1
         self._cond = threading.Condition()
         self._inbox: deque[Job] = deque()
@@ -474,8 +217,8 @@ class Scheduler:
         try:
             self.engine.admit(job)
         except Exception as exc:
-            _log_failure(exc)
-            self._end(job, _failure(exc))
+            log_failure(exc)
+            self._end(job, failure(exc))
 
     def _expire(self) -> None:
         now = time.monotonic()

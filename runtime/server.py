@@ -16,11 +16,7 @@ through `loop.call_soon_threadsafe`, so the app runs on asyncio servers (uvicorn
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import json
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,12 +26,12 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import InputError, SpecEdgeError
+from .errors import InputError
+from .logprobs import TokenLogprob
 from .metrics import Metrics
 from .openai_api import (
     SSE_DONE,
@@ -45,13 +41,13 @@ from .openai_api import (
     ResponseShape,
     error_body,
     finish_reason,
+    logprobs_json,
     parse_request,
     sse,
 )
 from .pair import GenerationConfig, GenerationResult, Pair
 from .scheduler import (
     Delta,
-    Event,
     Failed,
     Finished,
     Job,
@@ -59,8 +55,16 @@ from .scheduler import (
     Scheduler,
     SchedulerOptions,
 )
-
-log = logging.getLogger("specedge.serve")
+from .server_http import (
+    Bridge,
+    CountRequests,
+    GenerationStream,
+    RequireKey,
+    api_error,
+    http_error,
+    internal_error,
+    read_json,
+)
 
 __all__ = ["ServerOptions", "create_app"]
 
@@ -68,7 +72,6 @@ __all__ = ["ServerOptions", "create_app"]
 _FAILED = {"input": (400, "invalid_request_error"), "timeout": (504, "timeout_error"),
            "cancelled": (499, "invalid_request_error"), "shutdown": (503, "server_error"),
            "internal": (500, "server_error")}
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
 @dataclass(frozen=True)
@@ -208,12 +211,12 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
         Route("/health", bind(_health), methods=["GET"]),
         Route("/metrics", bind(_metrics), methods=["GET"]),
     ]
-    middleware = [Middleware(_CountRequests, metrics=metrics)]
+    middleware = [Middleware(CountRequests, metrics=metrics)]
     if options.api_key is not None:
-        middleware.append(Middleware(_RequireKey, key=options.api_key))
+        middleware.append(Middleware(RequireKey, key=options.api_key))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                    exception_handlers={APIError: _api_error, HTTPException: _http_error,
-                                        Exception: _internal_error})
+                    exception_handlers={APIError: api_error, HTTPException: http_error,
+                                        Exception: internal_error})
     app.state.scheduler, app.state.metrics = scheduler, metrics
     return app
 
@@ -230,11 +233,11 @@ async def _text(request: Request, state: _State) -> Response:
 
 
 async def _complete(request: Request, state: _State, kind: str) -> Response:
-    body = await _read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
+    body = await read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
     parsed = parse_request(kind, body, state.defaults)
     config = await run_in_threadpool(_fit, state, parsed)
     shape = ResponseShape.new(kind, state.defaults.model)
-    bridge = _Bridge(asyncio.get_running_loop())
+    bridge = Bridge(asyncio.get_running_loop())
     try:
         job = state.scheduler.submit(parsed.prompt, config, bridge.put)
     except QueueFull as full:
@@ -242,10 +245,13 @@ async def _complete(request: Request, state: _State, kind: str) -> Response:
                             f"retry after {full.retry_after} s.", kind="rate_limit_error",
                        code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
     if parsed.stream:
-        return _GenerationStream(_sse_events(shape, bridge, parsed, state),
+        return GenerationStream(_sse_events(shape, bridge, parsed, state),
                                  on_close=lambda: state.scheduler.cancel(job))
     result = await _collect(request, bridge, job, state)
-    return JSONResponse(shape.body(result))
+    logprobs = None
+    if result.logprobs is not None:
+        logprobs = logprobs_json(kind, result.logprobs, state.pair.tokenizer.token_bytes)
+    return JSONResponse(shape.body(result, logprobs))
 
 
 def _fit(state: _State, parsed: ParsedRequest) -> GenerationConfig:
@@ -270,16 +276,32 @@ def _fit(state: _State, parsed: ParsedRequest) -> GenerationConfig:
     return replace(parsed.config, max_new_tokens=min(asked, room))
 
 
-async def _sse_events(shape: ResponseShape, bridge: _Bridge, parsed: ParsedRequest,
+async def _sse_events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest,
                       state: _State) -> AsyncIterator[bytes]:
+    wants = parsed.config.logprobs is not None
+    sent = bytearray()  # the bytes of the tokens whose logprobs were sent (for text offsets)
+
+    def logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not wants:
+            return None
+        token_bytes = state.pair.tokenizer.token_bytes
+        out = logprobs_json(shape.kind, entries, token_bytes, before=bytes(sent))
+        for e in entries:
+            sent.extend(token_bytes(e.token))
+        return out
+
     if shape.kind == "chat":
         yield shape.chunk("")
+    told = 0  # tokens whose logprobs were sent
     while True:
         event = await bridge.get()
         if isinstance(event, Delta):
-            yield shape.chunk(event.text)
+            told += len(event.logprobs)
+            yield shape.chunk(event.text, logprobs=logprobs(event.logprobs))
         elif isinstance(event, Finished):
-            yield shape.chunk(None, finish_reason(event.result.stop_reason))
+            rest = (event.result.logprobs or [])[told:]  # tokens no delta carried (eos, say)
+            yield shape.chunk(None, finish_reason(event.result.stop_reason),
+                              logprobs(rest) if rest else None)
             if parsed.include_usage:
                 yield shape.usage_chunk(event.result)
             break
@@ -290,7 +312,7 @@ async def _sse_events(shape: ResponseShape, bridge: _Bridge, parsed: ParsedReque
     yield SSE_DONE
 
 
-async def _collect(request: Request, bridge: _Bridge, job: Job, state: _State
+async def _collect(request: Request, bridge: Bridge, job: Job, state: _State
                    ) -> GenerationResult:
     """Wait for a non-streaming job; a client that disconnects cancels it."""
     try:
@@ -346,162 +368,3 @@ async def _metrics(request: Request, state: _State) -> Response:
                                  "specedge_running": state.scheduler.running,
                                  "specedge_warmup_seconds": state.scheduler.warmup_s})
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-# ------------------------------------------------------------------------------- plumbing
-
-
-async def _read_json(request: Request, limit: int, timeout_s: float) -> Any:
-    """The request body as JSON, reading at most `limit` bytes within `timeout_s` seconds.
-
-    Raises:
-        APIError: 413 for a larger body, 408 for one that has not arrived in time, 400 for one
-            that is not JSON.
-    """
-    too_big = APIError(413, f"The request body is larger than this server's limit of {limit} "
-                            "bytes.", code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    try:
-        with anyio.fail_after(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_big
-                chunks.append(chunk)
-    except ClientDisconnect:
-        raise APIError(499, "the client disconnected") from None
-    except TimeoutError:
-        raise APIError(408, f"The request body did not arrive within {timeout_s:g} s; send it "
-                            "whole, or raise the server's --receive-timeout.",
-                       code="request_timeout", headers={"Connection": "close"}) from None
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise APIError(400, "The request body is not valid JSON.", code="invalid_json") from None
-
-
-class _Bridge:
-    """Events from the worker thread into the event loop (one request)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-
-    def put(self, event: Event) -> None:  # worker thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the loop has closed (server shutdown)
-            pass
-
-    async def get(self) -> Event:
-        return await self.queue.get()
-
-
-class _GenerationStream(StreamingResponse):
-    """An SSE response that cancels its generation however the stream ends (client
-    disconnect, server shutdown, or completion, where cancelling is a no-op)."""
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-def _route_path(scope: Scope) -> str:
-    """The path inside this app (without the prefix it is mounted at)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-class _RequireKey:
-    """Bearer-key check on every route but /health, in constant time (sha256 digests compared
-    with `hmac.compare_digest`, so neither content nor length leaks through timing)."""
-
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app = app
-        self._digest = hashlib.sha256(key.encode("utf-8")).digest()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _route_path(scope) == "/health" or self._allowed(scope):
-            await self.app(scope, receive, send)
-            return
-        body = error_body("Incorrect or missing API key; send 'Authorization: Bearer KEY'.",
-                          code="invalid_api_key")
-        await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive,
-                                                                               send)
-
-    def _allowed(self, scope: Scope) -> bool:
-        header = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                header = value
-        scheme, _, token = header.partition(b" ")
-        digest = hashlib.sha256(token.strip()).digest()
-        return hmac.compare_digest(digest, self._digest) and scheme.lower() == b"bearer"
-
-
-class _CountRequests:
-    """Counts every HTTP request by route and status (unknown paths as "other")."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = [500]
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        path = _route_path(scope)
-        route = path if path in _ROUTES else ("/v1/models" if path.startswith("/v1/models/")
-                                              else "other")
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            self.metrics.inc("specedge_requests_total", route=route, status=str(status[0]))
-
-
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), exc.status, headers=exc.headers)
-
-
-_SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
-           "GET /metrics")
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    path = _route_path(request.scope)
-    message, code = str(exc.detail), None
-    if exc.status_code == 404:
-        message, code = f"There is no route {path}; this server serves {_SERVED}.", "not_found"
-    elif exc.status_code == 405:
-        allowed = ", ".join(sorted(m.strip() for m in (exc.headers or {}).get("Allow", "")
-                                   .split(",") if m.strip()))  # Starlette's order varies
-        message = (f"{request.method} is not allowed on {path}"
-                   + (f"; use {allowed}." if allowed else "."))
-        code = "method_not_allowed"
-    return JSONResponse(error_body(message, code=code), exc.status_code, headers=exc.headers)
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    # Starlette re-raises `exc` after this response, so the server logs the traceback; the
-    # client gets a fixed message.
-    if isinstance(exc, SpecEdgeError):
-        log.error("request failed: %s", exc)
-    return JSONResponse(error_body("Internal server error.", kind="server_error"), 500)

@@ -159,11 +159,9 @@ class ContinuousBatch:
         for row in self.decoder.step():
             p, _ = self.running.pop(row.index)
             self.decoder.release(row)
-            reason = row.output.finish()  # flushes the detokenizer: before reading the text
             row.stats.total_s = time.perf_counter() - p.submitted  # queueing included
-            done.append((p.request_id, GenerationResult(
-                text=row.output.text, tokens=list(row.generated), prompt_tokens=p.request.prompt,
-                stop_reason=reason, stats=row.stats)))
+            done.append((p.request_id, GenerationResult.of(row.output, p.request.prompt,
+                                                           row.stats)))
         return done
 
     def prefill_ahead(self, ids: Sequence[int]) -> int:

@@ -19,7 +19,7 @@ from .drafters import Drafter
 from .kvcache import KVCache
 from .policy import DecodePlan
 from .prefix_cache import prefill
-from .rounds import RowOutput, RowSampler, draft_budget, tuned_round
+from .rounds import RowOutput, RowSampler, draft_budget, needs_logits, tuned_round
 from .stats import GenerationStats
 
 _NO_DRAFTS = np.zeros(0, np.int64)
@@ -41,7 +41,9 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
     t0 = time.perf_counter()
     # The prefill's last logits give the first token: no extra target call for it. It feeds
     # the prompt after what the cache holds (a prefix reused from an earlier generation).
-    if sampler.greedy:
+    with_logits = needs_logits(sampler, output)  # else argmax ids (maybe from the device)
+    logits: np.ndarray | None = None
+    if not with_logits:
         first = sampler.verify_ids(_NO_DRAFTS, prefill(target, target_cache, tokens,
                                                        argmax=True))
     else:
@@ -53,7 +55,7 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
     if drafter is not None:
         drafter.prefill(tokens)
     stats.prefill_s += time.perf_counter() - t0
-    kept = output.push(first)
+    kept = output.push(first, logits)
     stats.new_tokens = len(output.tokens)
     yield kept
     adaptive = (tuner or new_tuner(plan.drafter, plan.k)) if plan.adaptive and drafter else None
@@ -74,7 +76,7 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
             # [1, n + 1]; few numpy calls: between two target runs each one costs ~0.1 ms.
             block = (np.concatenate([[tokens[-1]], drafts]).astype(np.int64)[None]
                      if len(drafts) else np.array([[tokens[-1]]], np.int64))
-            if sampler.greedy:  # argmax ids only (taken on the device when the backend can)
+            if not with_logits:  # argmax ids only (taken on the device when the backend can)
                 ids = target.forward_argmax(target_cache, block)[0]  # [n + 1]
                 verify_s = time.perf_counter() - t1
                 emitted = sampler.verify_ids(drafts, ids)
@@ -100,7 +102,7 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
                                 drafter.catch_up(tokens) if drafter else 0)
             elif adaptive is not None:
                 adaptive.record_verify(len(drafts) + 1, verify_s)
-            kept = output.push(emitted)
+            kept = output.push(emitted, logits)
             stats.new_tokens = len(output.tokens)
             suspended = time.perf_counter()
             yield kept

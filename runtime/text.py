@@ -31,6 +31,7 @@ from .manifest import (
     read_listed,
     read_manifest,
 )
+from .token_bytes import token_bytes
 
 __all__ = ["Tokenizer", "check_text"]
 
@@ -360,6 +361,11 @@ class Tokenizer:
                 raise InputError(f"token ids must be non-negative, got {value}")
             values.append(value)
         return str(self._backend.decode(values, skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for, read from the vocabulary (a token may hold
+        part of a UTF-8 character; see `runtime/token_bytes`)."""
+        return token_bytes(self._backend, token_id)
 
     def _template(self) -> ChatTemplate:
         """The chat template, compiled once in the bounded sandbox."""

@@ -361,7 +361,7 @@ def split_head(pair: Path, force: bool) -> None:
     Adds body.onnx, head.onnx and shortlist.onnx(.data) beside each float model and lists them
     in the manifest; model.onnx stays (ONNX Runtime GenAI and other paths use it).
     """
-    from specedge.exporter.pair import require_modules
+    from specedge.exporter.output import require_modules
     from specedge.exporter.split_head import split_pair_heads
 
     require_modules("split-head", ("onnx",))

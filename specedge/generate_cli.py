@@ -24,6 +24,7 @@ from specedge.cli_base import (
 )
 from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.files import json_dumps
+from specedge.runtime.logprobs import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
@@ -165,6 +166,20 @@ def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
     return rows
 
 
+def _logprobs(loaded: Pair, result: GenerationResult) -> dict[str, Any]:
+    """`{"logprobs": [...]}` for --json (empty when none were asked for): each generated
+    token's id, text, log-probability and top alternatives."""
+    if result.logprobs is None:
+        return {}
+
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = loaded.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+        return {"id": token, "token": text, "logprob": logprob}
+
+    return {"logprobs": [{**one(e.token, e.logprob), "top": [one(t, lp) for t, lp in e.top]}
+                         for e in result.logprobs]}
+
+
 def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, show_stats: bool,
                     as_json: bool) -> None:
     rows = _read_batch(batch_file, config)
@@ -178,7 +193,7 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
         if as_json:
             click.echo(json_dumps({"row": i, "text": row.text, "tokens": row.tokens,
                                    "stop_reason": row.stop_reason,
-                                   "stats": row.stats.to_dict()}))
+                                   "stats": row.stats.to_dict(), **_logprobs(loaded, row)}))
         else:
             click.echo(f"[{i}] {row.text}")
     st = result.stats
@@ -208,13 +223,19 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
                    "stop, chat. Generates all rows as one batch (needs a --graph concat pair).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text + stats).")
+@click.option("--logprobs", "top_logprobs", default=None, type=click.IntRange(0, MAX_TOP_LOGPROBS),
+              help="With --json: each generated token's log-probability under the target and "
+                   "its N most likely alternatives.")
 @clean_errors
 def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load: LoadOptions,
-             chat: bool, batch_file: Path | None, show_stats: bool, as_json: bool) -> None:
+             chat: bool, batch_file: Path | None, show_stats: bool, as_json: bool,
+             top_logprobs: int | None) -> None:
     """Generate a completion of PROMPT (or of every row of --batch) with the pair PAIR."""
     if (prompt is None) == (batch_file is None):
         raise click.UsageError("give a PROMPT or --batch FILE (one of the two)")
-    config = generation.config(chat)
+    if top_logprobs is not None and not as_json:
+        raise click.UsageError("--logprobs prints with --json; add --json")
+    config = dataclasses.replace(generation.config(chat), logprobs=top_logprobs)
     loaded = load.load(pair)
     if batch_file is not None:
         _generate_batch(loaded, batch_file, config, show_stats, as_json)
@@ -224,7 +245,7 @@ def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load
         result = loaded.generate(prompt, config)
         click.echo(json_dumps({"text": result.text, "tokens": result.tokens,
                                "stop_reason": result.stop_reason,
-                               "stats": result.stats.to_dict()}))
+                               "stats": result.stats.to_dict(), **_logprobs(loaded, result)}))
         return
     result = _stream(loaded, prompt, config)
     if show_stats:

@@ -84,11 +84,11 @@ def test_batch1_generations_continue_one_tuner(tiny_pair: Pair) -> None:
     already kept its tuners). Greedy output stays target-only's."""
     cfg = GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=4, adaptive=True)
     first = tiny_pair.generate("The quick", cfg)
-    tuner = tiny_pair._tuners[(1, "model", 4)]
+    tuner = tiny_pair.tuners.learned[(1, "model", 4)]
     rounds = tuner.rounds
     assert rounds >= first.stats.rounds - 1 > 0
     second = tiny_pair.generate("def add(a, b):", cfg)
-    assert tiny_pair._tuners[(1, "model", 4)].rounds >= rounds + second.stats.rounds - 1
+    assert tiny_pair.tuners.learned[(1, "model", 4)].rounds >= rounds + second.stats.rounds - 1
     plain = GenerationConfig(max_new_tokens=24, drafter="none")
     assert second.tokens == tiny_pair.generate("def add(a, b):", plain).tokens
 

@@ -180,10 +180,10 @@ def test_adaptive_batches_warm_start_from_the_last_batch_of_that_size(concat_pai
     cfg = GenerationConfig(max_new_tokens=12, drafter="model", num_draft_tokens=4,
                            adaptive=True)
     pair.generate_batch(PROMPTS[:2], cfg)
-    tuner = pair._tuners[(2, "model", 4)]
+    tuner = pair.tuners.learned[(2, "model", 4)]
     rounds = tuner.rounds
     again = pair.generate_batch(PROMPTS[:2], cfg)
-    assert pair._tuners[(2, "model", 4)].rounds > rounds  # continued, not restarted
+    assert pair.tuners.learned[(2, "model", 4)].rounds > rounds  # continued, not restarted
     for prompt, got in zip(PROMPTS[:2], again.results, strict=True):
         assert got.tokens == pair.generate(prompt, replace(cfg, drafter="none")).tokens
 
@@ -197,16 +197,16 @@ def test_a_new_batch_size_warm_starts_from_the_nearest_one(concat_pair: Pair) ->
                            adaptive=True)
     pair.generate_batch(PROMPTS[:2], cfg)
     pair.generate_batch(PROMPTS, replace(cfg, num_draft_tokens=3))  # another k: not a source
-    learned = pair._tuners[(2, "model", 4)]
+    learned = pair.tuners.learned[(2, "model", 4)]
     got = pair.generate_batch(PROMPTS[:3], cfg)
-    tuner = pair._tuners[(3, "model", 4)]
+    tuner = pair.tuners.learned[(3, "model", 4)]
     assert tuner.rounds >= learned.rounds + got.stats.rounds - 1  # continued from B=2's
     assert set(learned.verify.mean) <= set(tuner.verify.mean)
-    assert (4, "model", 4) not in pair._tuners
+    assert (4, "model", 4) not in pair.tuners.learned
     for prompt, row in zip(PROMPTS[:3], got.results, strict=True):
         assert row.tokens == pair.generate(prompt, replace(cfg, drafter="none")).tokens
-    one = pair._take_tuner((1, "model", 4), pair.plan(cfg))  # nearest: B=2, not B=3
-    assert one is not None and one.rounds == pair._tuners[(2, "model", 4)].rounds
+    one = pair.tuners.take((1, "model", 4))  # nearest: B=2, not B=3
+    assert one is not None and one.rounds == pair.tuners.learned[(2, "model", 4)].rounds
 
 
 def test_generate_batch_ids_is_generate_batch_on_token_ids(concat_pair: Pair) -> None:

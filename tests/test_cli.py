@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from specedge.cli import main
-from specedge.runtime.pair import Pair
+from specedge.runtime.pair import GenerationConfig, Pair
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -70,6 +70,29 @@ def test_generate_json(runner: CliRunner, tiny_pair_dir: Path) -> None:
     assert out["stop_reason"] in ("eos", "max_new_tokens", "context", "stop")
     assert out["stats"]["new_tokens"] == len(out["tokens"])
     assert out["stats"]["prompt_tokens"] >= 1
+
+
+def test_generate_json_logprobs(runner: CliRunner, tiny_pair_dir: Path, concat_dir: Path,
+                                tmp_path: Path) -> None:
+    out = generate_json(runner, tiny_pair_dir, "The quick", "--max-new-tokens", "8",
+                        "--logprobs", "2")
+    want = Pair.load(tiny_pair_dir).generate("The quick", GenerationConfig(
+        max_new_tokens=8, logprobs=2, drafter="none"))
+    assert want.logprobs is not None and out["tokens"] == want.tokens
+    assert [e["id"] for e in out["logprobs"]] == out["tokens"]
+    for got, e in zip(out["logprobs"], want.logprobs, strict=True):
+        assert got["logprob"] == pytest.approx(e.logprob, abs=1e-4)
+        assert [t["id"] for t in got["top"]] == [t for t, _ in e.top]
+    assert "logprobs" not in generate_json(runner, tiny_pair_dir, "The quick",
+                                           "--max-new-tokens", "2")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "Hi there", "max_new_tokens": 4}\n')
+    batch = invoke(runner, "generate", concat_dir, "--batch", rows, "--json", "--logprobs", "0")
+    assert batch.exit_code == 0, batch.output
+    row = json.loads(batch.stdout.splitlines()[0])
+    assert len(row["logprobs"]) == len(row["tokens"]) and row["logprobs"][0]["top"] == []
+    assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "Hi", "--logprobs", "2"),
+                       "--logprobs prints with --json")
 
 
 def test_generate_plain_text_and_stats(runner: CliRunner, tiny_pair_dir: Path) -> None:

@@ -322,7 +322,7 @@ def test_item05_quantize_force_never_deletes_its_input(runner: CliRunner, tiny_p
 
 
 def test_item05_force_replaces_a_previous_output(tiny_pair_dir: Path, tmp_path: Path) -> None:
-    from specedge.exporter.pair import check_output
+    from specedge.exporter.output import check_output
 
     previous = copy_pair(tiny_pair_dir, tmp_path / "previous")
     assert check_output(previous, force=True, inputs=[tmp_path / "src"]) == previous

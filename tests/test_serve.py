@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
 
-from specedge.runtime import server as server_module
+from specedge.runtime import server_http as server_http_module
 from specedge.runtime.errors import InputError
 from specedge.runtime.openai_api import RequestDefaults, finish_reason, parse_request
 from specedge.runtime.pair import GenerationConfig, Pair
@@ -162,6 +163,59 @@ def test_openai_client_equals_generate(served: Served) -> None:
     assert "".join(c.choices[0].text for c in streamed) == plain.text
 
 
+def test_logprobs_through_the_openai_client(served: Served) -> None:
+    client, pair, model = served.client(), served.pair, served.model
+    token_bytes = pair.tokenizer.token_bytes
+    messages = [{"role": "user", "content": "Hello there"}]
+    want = pair.generate("Hello there", GenerationConfig(max_new_tokens=20, chat=True,
+                                                         logprobs=3, drafter="none"))
+    assert want.logprobs is not None
+    wanted = [(token_bytes(e.token), e.logprob, [token_bytes(t) for t, _ in e.top])
+              for e in want.logprobs]
+
+    def close(got: list[tuple[bytes, float, list[bytes]]]) -> None:
+        assert [(b, top) for b, _, top in got] == [(b, top) for b, _, top in wanted]
+        np.testing.assert_allclose([lp for _, lp, _ in got], [lp for _, lp, _ in wanted],
+                                   atol=1e-4)
+
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=20,
+                                           temperature=0, logprobs=True, top_logprobs=3)
+    assert reply.choices[0].message.content == want.text
+    assert reply.usage is not None and reply.usage.model_extra["specedge"]["proposed"] > 0
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == len(want.tokens)
+    close([(bytes(i.bytes), i.logprob, [bytes(t.bytes) for t in i.top_logprobs])
+           for i in content])
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=20, temperature=0, logprobs=True,
+        top_logprobs=3, stream=True))
+    close([(bytes(i.bytes), i.logprob, [bytes(t.bytes) for t in i.top_logprobs])
+           for c in chunks if c.choices and c.choices[0].logprobs
+           for i in c.choices[0].logprobs.content])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+
+    plain = pair.generate("The quick brown fox", GenerationConfig(max_new_tokens=16, logprobs=2,
+                                                                  drafter="none"))
+    assert plain.logprobs is not None
+    done = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=16,
+                                     temperature=0, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert lp is not None and done.choices[0].text == plain.text
+    texts = [token_bytes(e.token).decode("utf-8", errors="replace") for e in plain.logprobs]
+    assert lp.tokens == texts
+    np.testing.assert_allclose(lp.token_logprobs, [e.logprob for e in plain.logprobs],
+                               atol=1e-4)
+    assert all(len(top) >= 2 for top in lp.top_logprobs)  # the top 2 (and the chosen token)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=model, prompt="The quick brown fox", max_tokens=16, temperature=0, logprobs=2,
+        stream=True) if c.choices[0].logprobs]
+    assert [t for part in streamed for t in part.tokens] == texts
+    offsets = [o for part in streamed for o in part.text_offset]
+    assert offsets == lp.text_offset and offsets == sorted(offsets) and offsets[0] == 0
+    none = client.chat.completions.create(model=model, messages=messages, max_tokens=4)
+    assert none.choices[0].logprobs is None
+
+
 def test_stop_strings_and_seeded_sampling(served: Served) -> None:
     client, pair, model = served.client(), served.pair, served.model
     full = solo(pair, "Once upon a time", 40).text
@@ -248,29 +302,32 @@ def test_disconnect_frees_the_slot_within_a_round(pairs: dict[str, Pair], form: 
 
 
 class SlowPair(Pair):
-    """A pair whose generations wait on `gate` before decoding and sleep `delay` per delta
+    """A pair whose generations wait on `gate` before decoding and sleep `delay` per round
     (its servers skip the warm-up, which would wait too)."""
 
     def __init__(self, pair: Pair, delay: float = 0.0) -> None:
         super().__init__(pair.manifest, pair.tokenizer, pair.target, pair.draft)
         self.entered, self.gate, self.delay = threading.Event(), threading.Event(), delay
 
-    def stream(self, prompt: Any, config: GenerationConfig | None = None,
-               stats: Any = None) -> Any:
+    def open(self, prompt: Any, config: GenerationConfig | None = None,
+             stats: Any = None) -> Any:
         self.entered.set()
         assert self.gate.wait(30)
-        inner = super().stream(prompt, config, stats)
+        ids, output, inner = super().open(prompt, config, stats)
 
         def slow() -> Any:
-            while True:
-                try:
-                    delta = next(inner)
-                except StopIteration as done:
-                    return done.value
-                time.sleep(self.delay)
-                yield delta
+            try:
+                while True:
+                    try:
+                        kept = next(inner)
+                    except StopIteration as done:
+                        return done.value
+                    time.sleep(self.delay)
+                    yield kept
+            finally:
+                inner.close()
 
-        return slow()
+        return ids, output, slow()
 
 
 def test_full_queue_answers_429_with_retry_after(pairs: dict[str, Pair]) -> None:
@@ -412,7 +469,12 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
         ("stream wrong type", {**chat, "stream": "yes"}, 400, "stream"),
         ("stop wrong type", {**chat, "stop": 5}, 400, "stop"),
         ("n=2", {**chat, "n": 2}, 400, "n"),
-        ("logprobs", {**chat, "logprobs": True}, 400, "logprobs"),
+        ("top_logprobs without logprobs", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
+        ("top_logprobs above 20", {**chat, "logprobs": True, "top_logprobs": 21}, 400,
+         "top_logprobs"),
+        ("completions logprobs above 5", {"model": model, "prompt": "Hi", "logprobs": 6}, 400,
+         "logprobs"),
+        ("echo", {"model": model, "prompt": "Hi", "echo": True}, 400, "echo"),
         ("tools", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
          "tools"),
         ("response_format", {**chat, "response_format": {"type": "json_object"}}, 400,
@@ -485,13 +547,13 @@ def test_the_batch_shares_one_drafter(pairs: dict[str, Pair]) -> None:
 def test_api_key(pairs: dict[str, Pair], monkeypatch: pytest.MonkeyPatch,
                  caplog: pytest.LogCaptureFixture) -> None:
     key, compared = "sk-test-0123456789", []
-    real = server_module.hmac.compare_digest
+    real = server_http_module.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         compared.append(len(a) == len(b) == 32)
         return real(a, b)
 
-    monkeypatch.setattr(server_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(server_http_module.hmac, "compare_digest", spy)
     pair = pairs["gqa"]
     app = create_app(pair, ServerOptions(api_key=key))
     assert key not in repr(ServerOptions(api_key=key))
