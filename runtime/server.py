@@ -217,6 +217,9 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error,
                                         Exception: internal_error})
+    # A path with a trailing slash gets a 404 that names the route, not a bare redirect that a
+    # client which does not follow it (httpx by default) shows as an empty reply.
+    app.router.redirect_slashes = False
     app.state.scheduler, app.state.metrics = scheduler, metrics
     return app
 

@@ -167,7 +167,10 @@ async def http_error(request: Request, exc: Exception) -> Response:
     path = route_path(request.scope)
     message, code = str(exc.detail), None
     if exc.status_code == 404:
-        message, code = f"There is no route {path}; this server serves {SERVED}.", "not_found"
+        bare = path.rstrip("/")
+        hint = f" (did you mean {bare}?)" if bare != path and bare in ROUTES else ""
+        message = f"There is no route {path}{hint}; this server serves {SERVED}."
+        code = "not_found"
     elif exc.status_code == 405:
         allowed = ", ".join(sorted(m.strip() for m in (exc.headers or {}).get("Allow", "")
                                    .split(",") if m.strip()))  # Starlette's order varies

@@ -521,6 +521,9 @@ def test_bad_input_is_4xx_in_openai_format(served: Served) -> None:
         assert missing["code"] == "not_found"
         assert "no route /nowhere" in missing["message"]
         assert "POST /v1/chat/completions" in missing["message"]
+        slash = http.post("/v1/chat/completions/", json={"model": served.model})
+        assert slash.status_code == 404 and slash.json()["error"]["message"].startswith(
+            "There is no route /v1/chat/completions/ (did you mean /v1/chat/completions?)")
         wrong = http.post("/v1/models")
         assert wrong.status_code == 405 and wrong.json()["error"]["message"] == (
             "POST is not allowed on /v1/models; use GET, HEAD.")
