@@ -15,13 +15,8 @@ from typing import Any
 import numpy as np
 
 from specedge.runtime.backend import OrtModel
+from specedge.runtime.logprobs import log_softmax
 from specedge.runtime.pair import GenerationConfig, Pair
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def _logits(model: OrtModel, ids: Sequence[int]) -> np.ndarray:
@@ -34,8 +29,8 @@ def language_quality(reference: OrtModel, model: OrtModel,
     """Perplexities of both models, and KL / top-1 agreement of `model` against `reference`."""
     nll_ref = nll = kl = agree = count = 0.0
     for ids in token_lists:
-        ref_lp = _log_softmax(_logits(reference, ids))
-        lp = _log_softmax(_logits(model, ids))
+        ref_lp = log_softmax(_logits(reference, ids))
+        lp = log_softmax(_logits(model, ids))
         nxt = np.asarray(ids[1:])
         rows = np.arange(len(nxt))
         nll_ref -= ref_lp[rows, nxt].sum()

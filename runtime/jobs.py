@@ -75,8 +75,14 @@ class Job:
     """One generation request, as the worker sees it."""
 
     def __init__(self, prompt: Prompt, config: GenerationConfig,
-                 sink: Callable[[Event], None], deadline_s: float) -> None:
+                 sink: Callable[[Event], None], deadline_s: float,
+                 score_prompt: int | None = None) -> None:
         self.prompt, self.config, self.sink = prompt, config, sink
+        # n >= 0: the worker scores the prompt (its tokens' logprobs, n alternatives each)
+        # before the job decodes, into `prompt_logprobs`, with its token ids in `prompt_ids`.
+        self.score_prompt = score_prompt
+        self.prompt_ids: list[int] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
         self.submitted = time.monotonic()
         self.deadline = self.submitted + deadline_s
         self.cancelled = False  # set by any thread, read by the worker before each round

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MAX_TOP_LOGPROBS", "TokenLogprob", "token_logprobs"]
+__all__ = ["MAX_TOP_LOGPROBS", "TokenLogprob", "log_softmax", "token_logprobs"]
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for `top_logprobs`
 
@@ -39,6 +39,14 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64 (stable: the row maximum is taken out
+    before exponentiating)."""
+    x = np.asarray(logits, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))  # type: ignore[no-any-return]
+
+
 def token_logprobs(logits: np.ndarray, tokens: Sequence[int], top: int = 0
                    ) -> list[TokenLogprob]:
     """The log-probabilities of `tokens` `[n]`, each from its row of `logits` `[n, vocab]`
@@ -48,23 +56,22 @@ def token_logprobs(logits: np.ndarray, tokens: Sequence[int], top: int = 0
         ValueError: `logits` and `tokens` disagree in length, or `top` is outside
             [0, MAX_TOP_LOGPROBS].
     """
-    rows = np.asarray(logits, np.float64)  # [n, vocab]
+    rows = np.asarray(logits)
     if rows.ndim != 2 or rows.shape[0] != len(tokens):
         raise ValueError(f"{len(tokens)} tokens need logits [{len(tokens)}, vocab], got "
                          f"{rows.shape}")
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-    peak = rows.max(axis=1, keepdims=True)
-    log_z = peak[:, 0] + np.log(np.exp(rows - peak).sum(axis=1))  # [n]
+    lp = log_softmax(rows)  # [n, vocab]
     out = []
     for i, token in enumerate(tokens):
         best: tuple[tuple[int, float], ...] = ()
         if top:
-            row = rows[i]
+            row = lp[i]
             # the `top` largest, then sorted by value (stable: the lower id first on a tie)
             cand = np.argpartition(-row, top - 1)[:top] if top < row.size else np.arange(row.size)
             cand = np.sort(cand)
             order = cand[np.argsort(-row[cand], kind="stable")]
-            best = tuple((int(t), float(row[t] - log_z[i])) for t in order)
-        out.append(TokenLogprob(int(token), float(rows[i, int(token)] - log_z[i]), best))
+            best = tuple((int(t), float(row[t])) for t in order)
+        out.append(TokenLogprob(int(token), float(lp[i, int(token)]), best))
     return out

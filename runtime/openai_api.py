@@ -7,10 +7,12 @@ specedge's acceptance rate and tokens per round as the extra field `usage.speced
 error body `{"error": {"message", "type", "param", "code"}}`.
 
 Pure functions and frozen dataclasses only: no HTTP, no decoding. Fields that would change what
-a client gets back (`n` > 1, `tools`, `response_format`, penalties, `echo`, ...) are refused
+a client gets back (`n` > 1, `tools`, `response_format`, penalties, ...) are refused
 with a 400 naming the field; unknown fields that change nothing are ignored, as OpenAI does.
 `logprobs` (chat: with `top_logprobs` 0..20; completions: 0..5) returns the target's
-log-probability of every generated token (`runtime/logprobs`), in each API's own shape.
+log-probability of every generated token (`runtime/logprobs`), in each API's own shape
+(`runtime/openai_logprobs`); completions also take `echo` (the prompt's text, and its tokens'
+logprobs, first).
 """
 
 from __future__ import annotations
@@ -18,18 +20,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
-from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from .logprobs import MAX_TOP_LOGPROBS
 from .pair import GenerationConfig, GenerationResult, Prompt
 from .policy import DRAFTER_CHOICES
 from .sampling import SamplingParams
 
 __all__ = ["APIError", "ParsedRequest", "RequestDefaults", "ResponseShape", "error_body",
-           "finish_reason", "logprobs_json", "parse_request", "sse", "usage"]
+           "finish_reason", "parse_request", "sse", "usage"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -88,6 +90,7 @@ class ParsedRequest:
         config: what to generate; `max_new_tokens` is the request's or the server's limit.
         max_tokens_given: whether the request set `max_tokens` itself.
         stream, include_usage: server-sent events, and a final usage chunk.
+        echo: the completion's text (and logprobs) start with the prompt's (completions only).
     """
 
     kind: str
@@ -96,6 +99,7 @@ class ParsedRequest:
     max_tokens_given: bool
     stream: bool
     include_usage: bool
+    echo: bool = False
 
 
 def _short(value: Any) -> str:
@@ -147,7 +151,7 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "logit_bias": (None, {}), "echo": (None, False),
+    "function_call": (None, "none"), "logit_bias": (None, {}),
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "audio": (None,), "prediction": (None,),
     "modalities": (None, ["text"]),
@@ -328,7 +332,12 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
                                   logprobs=_logprobs(kind, body))
     except InputError as exc:  # ranges the helpers above leave to the runtime's own checks
         raise APIError(400, str(exc)) from None
-    return ParsedRequest(kind, prompt, config, max_tokens is not None, stream, include_usage)
+    echo = _bool(body, "echo")
+    if echo and kind == "chat":
+        raise _bad("echo", "only the completions API (/v1/completions) takes echo",
+                   code="unsupported_parameter")
+    return ParsedRequest(kind, prompt, config, max_tokens is not None, stream, include_usage,
+                         echo)
 
 
 def finish_reason(stop_reason: str) -> str:
@@ -348,40 +357,6 @@ def usage(result: GenerationResult) -> dict[str, Any]:
                          "tokens_per_round": round(stats.mean_accepted_length, 4),
                          "proposed": stats.proposed, "accepted": stats.accepted,
                          "rounds": stats.rounds}}
-
-
-def logprobs_json(kind: str, entries: Sequence[TokenLogprob],
-                  token_bytes: Callable[[int], bytes], *, before: bytes = b"") -> dict[str, Any]:
-    """A choice's `logprobs` object for `entries` (one per generated token, in order).
-
-    Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal"}`.
-    Completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, where each
-    `top_logprobs` dict also holds the chosen token (as OpenAI's legacy API does) and
-    `text_offset` counts characters after `before`, the completion's bytes already sent.
-    `token_bytes` gives a token's bytes (`Tokenizer.token_bytes`); a token that holds part of
-    a UTF-8 character shows it as U+FFFD in `token`, whole in `bytes`.
-    """
-    def text(token: int) -> str:
-        return token_bytes(token).decode("utf-8", errors="replace")
-
-    if kind == "chat":
-        def item(token: int, logprob: float) -> dict[str, Any]:
-            raw = token_bytes(token)
-            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
-                    "bytes": list(raw)}
-
-        return {"content": [{**item(e.token, e.logprob),
-                             "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                            for e in entries], "refusal": None}
-    offsets, done = [], bytearray(before)
-    for e in entries:
-        offsets.append(len(done.decode("utf-8", errors="ignore")))
-        done += token_bytes(e.token)
-    return {"tokens": [text(e.token) for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): lp for t, lp in (*e.top, (e.token, e.logprob))}
-                             for e in entries],
-            "text_offset": offsets}
 
 
 @dataclass(frozen=True)
@@ -416,10 +391,12 @@ class ResponseShape:
             delta = {"role": "assistant", "content": ""}
         return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def body(self, result: GenerationResult, logprobs: dict[str, Any] | None = None
-             ) -> dict[str, Any]:
-        """The whole (non-streaming) response (`logprobs`: see `logprobs_json`)."""
-        choice = self._choice(result.text, finish_reason(result.stop_reason), False, logprobs)
+    def body(self, result: GenerationResult, logprobs: dict[str, Any] | None = None,
+             echo: str = "") -> dict[str, Any]:
+        """The whole (non-streaming) response (`logprobs`: see `logprobs_json`; `echo`: the
+        prompt, which the text starts with)."""
+        choice = self._choice(echo + result.text, finish_reason(result.stop_reason), False,
+                              logprobs)
         return {**self._head(False), "choices": [choice], "usage": usage(result)}
 
     def chunk(self, text: str | None, finish: str | None = None,

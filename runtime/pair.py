@@ -38,9 +38,17 @@ from .generation import (
 )
 from .hugepages import HugePageLoad, HugePageReport
 from .loading import ThreadPlan, load_model, plan_threads, session_plan
+from .logprobs import TokenLogprob
 from .manifest import PairManifest, load_manifest
 from .policy import DRAFTER_CHOICES, MODEL_DRAFTERS, DecodePlan, resolve_plan
-from .prefix_cache import Entry, PrefixCache, cache_capacity, extend, kept_prefix
+from .prefix_cache import (
+    Entry,
+    PrefixCache,
+    cache_capacity,
+    extend,
+    kept_prefix,
+    prompt_logprobs,
+)
 from .rounds import RowOutput, RowSampler
 from .speculative import decode
 from .stats import GenerationStats
@@ -286,6 +294,18 @@ class Pair:
         if kept is not None:
             self.prefixes.put(kept)
         return reason
+
+    def prompt_logprobs(self, ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
+        """The target's log-probability of each token of `ids` after the first (with its `top`
+        most likely alternatives): the prompt's logprobs a completion with `echo` reports, and
+        a text's likelihood under the pair (`runtime/prefix_cache.prompt_logprobs`).
+
+        Raises:
+            InputError: ids outside the vocabulary, or more than the context holds.
+        """
+        ids = self.check_ids(ids)
+        self.plan().check_prompt(len(ids))
+        return prompt_logprobs(self.target, ids, top)
 
     def prefill_ahead(self, ids: Sequence[int]) -> int:
         """Prefill `ids` into the kept caches that share the most with them (whole chunks, see

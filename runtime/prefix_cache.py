@@ -38,9 +38,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .kvcache import KVCache
+from .logprobs import TokenLogprob, token_logprobs
+
 if TYPE_CHECKING:  # the runtime's models; imported for types only
     from .backend import OrtModel
-    from .kvcache import KVCache
 
 PREFILL_CHUNK = 128  # tokens per prefill call, cut at absolute positions
 # The smallest cache a prefix-caching generation allocates: a conversation's first turns share
@@ -98,6 +100,19 @@ def prefill(model: OrtModel, cache: KVCache, ids: Sequence[int], *, argmax: bool
     if argmax:
         return model.forward_argmax(cache, block, last=True)[0]
     return model.forward(cache, block)[0, -1:]
+
+
+def prompt_logprobs(model: OrtModel, ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
+    """The log-probability of each token of `ids` after the first under `model`
+    (`len(ids) - 1` entries, each with its `top` alternatives), from one prefill of `ids` in
+    `prefill_chunks` on a new cache: what a completion with `echo` reports for its prompt."""
+    cache = model.new_cache(1, len(ids))
+    out: list[TokenLogprob] = []
+    for a, b in prefill_chunks(0, len(ids)):
+        logits = model.forward(cache, np.asarray([ids[a:b]], np.int64))[0]  # [b - a, vocab]
+        n = min(b, len(ids) - 1) - a  # position i predicts token i + 1
+        out.extend(token_logprobs(logits[:n], ids[a + 1:a + 1 + n], top))
+    return out
 
 
 def extend(entry: Entry, skip: int, ids: Sequence[int], models: Sequence[OrtModel | None]

@@ -146,13 +146,15 @@ class Scheduler:
                        adaptive=o.adaptive)
 
     def submit(self, prompt: Prompt, config: GenerationConfig,
-               sink: Callable[[Event], None]) -> Job:
-        """Queue a job; its events go to `sink` (called on the worker thread).
+               sink: Callable[[Event], None], *, score_prompt: int | None = None) -> Job:
+        """Queue a job; its events go to `sink` (called on the worker thread). With
+        `score_prompt` (the alternatives per token), the worker fills `job.prompt_logprobs`
+        before the job's first event.
 
         Raises:
             QueueFull: `max_batch + max_queue` jobs are already queued or running.
         """
-        job = Job(prompt, config, sink, self.options.request_timeout_s)
+        job = Job(prompt, config, sink, self.options.request_timeout_s, score_prompt)
         with self._cond:
             if self._closing:
                 raise QueueFull(5)
@@ -215,6 +217,10 @@ class Scheduler:
             self._end(job, Failed("cancelled", "cancelled"))
             return
         try:
+            if job.score_prompt is not None:  # a model call: on this thread, as decoding
+                job.prompt_ids = self.pair.encode_prompt(job.prompt, chat=job.config.chat)
+                job.prompt_logprobs = self.pair.prompt_logprobs(job.prompt_ids,
+                                                                job.score_prompt)
             self.engine.admit(job)
         except Exception as exc:
             log_failure(exc)

@@ -41,10 +41,10 @@ from .openai_api import (
     ResponseShape,
     error_body,
     finish_reason,
-    logprobs_json,
     parse_request,
     sse,
 )
+from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_json
 from .pair import GenerationConfig, GenerationResult, Pair
 from .scheduler import (
     Delta,
@@ -241,20 +241,36 @@ async def _complete(request: Request, state: _State, kind: str) -> Response:
     config = await run_in_threadpool(_fit, state, parsed)
     shape = ResponseShape.new(kind, state.defaults.model)
     bridge = Bridge(asyncio.get_running_loop())
+    score = parsed.config.logprobs if parsed.echo else None  # the echoed prompt's logprobs
     try:
-        job = state.scheduler.submit(parsed.prompt, config, bridge.put)
+        job = state.scheduler.submit(parsed.prompt, config, bridge.put, score_prompt=score)
     except QueueFull as full:
         raise APIError(429, f"The server is busy ({state.options.max_queue} requests queued); "
                             f"retry after {full.retry_after} s.", kind="rate_limit_error",
                        code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
     if parsed.stream:
-        return GenerationStream(_sse_events(shape, bridge, parsed, state),
+        return GenerationStream(_sse_events(shape, bridge, parsed, state, job),
                                  on_close=lambda: state.scheduler.cancel(job))
     result = await _collect(request, bridge, job, state)
+    token_bytes = state.pair.tokenizer.token_bytes
     logprobs = None
     if result.logprobs is not None:
-        logprobs = logprobs_json(kind, result.logprobs, state.pair.tokenizer.token_bytes)
-    return JSONResponse(shape.body(result, logprobs))
+        echoed = _echo_logprobs(job, token_bytes) if parsed.echo else None
+        logprobs = logprobs_json(kind, result.logprobs, token_bytes,
+                                 before=_prompt_bytes(job, token_bytes) if echoed else b"")
+        if echoed is not None:
+            logprobs = join_logprobs_json(echoed, logprobs)
+    return JSONResponse(shape.body(result, logprobs, echo=str(parsed.prompt) if parsed.echo
+                                   else ""))
+
+
+def _echo_logprobs(job: Job, token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
+    """The echoed prompt's logprobs (scored by the worker before the job's first event)."""
+    return echo_logprobs_json(job.prompt_ids, job.prompt_logprobs, token_bytes)
+
+
+def _prompt_bytes(job: Job, token_bytes: Callable[[int], bytes]) -> bytes:
+    return b"".join(token_bytes(t) for t in job.prompt_ids)
 
 
 def _fit(state: _State, parsed: ParsedRequest) -> GenerationConfig:
@@ -280,14 +296,15 @@ def _fit(state: _State, parsed: ParsedRequest) -> GenerationConfig:
 
 
 async def _sse_events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest,
-                      state: _State) -> AsyncIterator[bytes]:
+                      state: _State, job: Job) -> AsyncIterator[bytes]:
     wants = parsed.config.logprobs is not None
+    token_bytes = state.pair.tokenizer.token_bytes
     sent = bytearray()  # the bytes of the tokens whose logprobs were sent (for text offsets)
+    echo = parsed.echo
 
     def logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not wants:
             return None
-        token_bytes = state.pair.tokenizer.token_bytes
         out = logprobs_json(shape.kind, entries, token_bytes, before=bytes(sent))
         for e in entries:
             sent.extend(token_bytes(e.token))
@@ -298,6 +315,13 @@ async def _sse_events(shape: ResponseShape, bridge: Bridge, parsed: ParsedReques
     told = 0  # tokens whose logprobs were sent
     while True:
         event = await bridge.get()
+        if echo and not isinstance(event, Failed):  # the prompt first, once
+            echo = False
+            echoed = None
+            if wants:
+                echoed = _echo_logprobs(job, token_bytes)
+                sent.extend(_prompt_bytes(job, token_bytes))
+            yield shape.chunk(str(parsed.prompt), logprobs=echoed)
         if isinstance(event, Delta):
             told += len(event.logprobs)
             yield shape.chunk(event.text, logprobs=logprobs(event.logprobs))

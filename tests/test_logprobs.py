@@ -17,10 +17,11 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from scipy.special import logsumexp
 
 from specedge.runtime.errors import InputError
 from specedge.runtime.logprobs import MAX_TOP_LOGPROBS, token_logprobs
-from specedge.runtime.openai_api import logprobs_json
+from specedge.runtime.openai_logprobs import logprobs_json
 from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.serving import ContinuousBatch
@@ -36,8 +37,9 @@ def concat_pair(fixtures_dir: Path) -> Pair:
 
 
 def _log_softmax(row: np.ndarray) -> np.ndarray:
+    """An independent reference (scipy's logsumexp), not the runtime's `log_softmax`."""
     row = row.astype(np.float64)
-    return row - np.log(np.sum(np.exp(row - row.max()))) - row.max()
+    return row - logsumexp(row)
 
 
 # ----------------------------------------------------------------------------- the math
@@ -194,3 +196,20 @@ def test_batches_and_continuous_batching_return_batch1_logprobs(concat_pair: Pai
             np.testing.assert_allclose([e.logprob for e in got.logprobs],
                                        [e.logprob for e in one.logprobs], atol=1e-4)
             assert all(len(e.top) == config.logprobs for e in got.logprobs)
+
+
+@pytest.mark.parametrize("fixture", ["tiny-llama", "tiny-llama-concat"])
+def test_prompt_logprobs_are_one_whole_calls(fixtures_dir: Path, fixture: str) -> None:
+    pair = Pair.load(fixtures_dir / fixture)
+    ids = pair.encode_prompt("The quick brown fox jumps over the lazy dog. " * 30)[:400]
+    assert len(ids) == 400  # three prefill chunks of 128 and a part
+    got = pair.prompt_logprobs(ids, 3)
+    cache = pair.target.new_cache(1, len(ids))
+    logits = pair.target.forward(cache, np.asarray([ids], np.int64))[0]  # one call, no chunks
+    assert [e.token for e in got] == ids[1:]
+    want = [_log_softmax(row)[t] for row, t in zip(logits, ids[1:], strict=False)]
+    np.testing.assert_allclose([e.logprob for e in got], want, atol=1e-4)
+    assert all(len(e.top) == 3 for e in got)
+    assert pair.prompt_logprobs(ids[:1]) == []
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        pair.prompt_logprobs([10**6])

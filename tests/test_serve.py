@@ -216,6 +216,45 @@ def test_logprobs_through_the_openai_client(served: Served) -> None:
     assert none.choices[0].logprobs is None
 
 
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(served: Served) -> None:
+    """lm-evaluation-harness's loglikelihood request: the context and continuation as one
+    prompt, echo, logprobs=1, max_tokens=1, temperature 0; it reads the prompt's
+    token_logprobs and whether each token was the top one."""
+    client, pair, model = served.client(), served.pair, served.model
+    prompt = "The capital of France is Paris"
+    ids = pair.encode_prompt(prompt)
+    scored = pair.prompt_logprobs(ids, 1)
+    after = pair.generate(prompt, GenerationConfig(max_new_tokens=1, logprobs=1,
+                                                   drafter="none"))
+    assert after.logprobs is not None
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=1, logprobs=1,
+                                      echo=True, temperature=0)
+    choice = reply.choices[0]
+    assert choice.text == prompt + after.text
+    lp = choice.logprobs
+    assert lp is not None and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:],
+                               [e.logprob for e in scored + after.logprobs], atol=1e-4)
+    token_text = [pair.tokenizer.token_bytes(t).decode("utf-8", errors="replace")
+                  for t in [*ids, *after.tokens]]
+    assert lp.tokens == token_text
+    assert lp.text_offset == [len("".join(token_text[:i])) for i in range(len(token_text))]
+    for e, top in zip(scored, lp.top_logprobs[1:], strict=False):
+        is_greedy = max(top.values()) <= e.logprob + 1e-9  # what the harness checks
+        assert is_greedy == (e.top[0][0] == e.token)
+    streamed = list(client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                              logprobs=1, echo=True, temperature=0,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    parts = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=3, echo=True,
+                                      temperature=0)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
 def test_stop_strings_and_seeded_sampling(served: Served) -> None:
     client, pair, model = served.client(), served.pair, served.model
     full = solo(pair, "Once upon a time", 40).text
@@ -474,7 +513,7 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
          "top_logprobs"),
         ("completions logprobs above 5", {"model": model, "prompt": "Hi", "logprobs": 6}, 400,
          "logprobs"),
-        ("echo", {"model": model, "prompt": "Hi", "echo": True}, 400, "echo"),
+        ("echo on chat", {**chat, "echo": True}, 400, "echo"),
         ("tools", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
          "tools"),
         ("response_format", {**chat, "response_format": {"type": "json_object"}}, 400,
