@@ -16,7 +16,18 @@ from .rounds import RowOutput
 from .sampling import SamplingParams
 from .stats import GenerationStats
 
-Prompt = str | Sequence[Mapping[str, str]]
+# Text, chat messages, or token ids (as the completions API and evaluation harnesses send them).
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
+
+
+def prompt_ids(prompt: object) -> list[int] | None:
+    """The token ids of a prompt given as ids (a non-empty sequence of ints), else None."""
+    if isinstance(prompt, str | bytes | Mapping) or not isinstance(prompt, Sequence) or \
+            not prompt:
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    return None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
+from .generation import prompt_ids
 from .logprobs import MAX_TOP_LOGPROBS
 from .pair import GenerationConfig, GenerationResult, Prompt
 from .policy import DRAFTER_CHOICES
@@ -205,12 +206,18 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def _prompt(value: Any) -> str:
+def _prompt(value: Any) -> str | list[int]:
+    """One prompt: a string or a list of token ids, alone or as a list of one (what the
+    `openai` client and evaluation harnesses send)."""
+    if prompt_ids(value) is not None:
+        return list(value)
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
+        if prompt_ids(value) is not None:
+            return list(value)
     if not isinstance(value, str):
-        raise _bad("prompt", "expected one prompt string (lists of prompts and token ids are "
-                             "not supported)")
+        raise _bad("prompt", "expected one prompt: a string or a list of token ids (lists of "
+                             "several prompts are not supported)")
     if not value:
         raise _bad("prompt", "the prompt is empty")
     return value

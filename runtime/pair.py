@@ -34,6 +34,7 @@ from .generation import (
     GenerationResult,
     Prompt,
     as_config,
+    prompt_ids,
     row_configs,
 )
 from .hugepages import HugePageLoad, HugePageReport
@@ -178,7 +179,13 @@ class Pair:
     # ------------------------------------------------------------------ prompts
 
     def encode_prompt(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
-        """Token ids of a plain prompt, or of chat messages rendered by the chat template."""
+        """Token ids of a plain prompt, or of chat messages rendered by the chat template (a
+        prompt of token ids is checked and taken as it is)."""
+        if (given := prompt_ids(prompt)) is not None:
+            if chat:
+                raise InputError("a prompt of token ids does not go through the chat template; "
+                                 "send text or messages, or drop chat")
+            return self.check_ids(given)
         if isinstance(prompt, str):
             if not prompt:
                 raise InputError("the prompt is empty; pass some text")
@@ -186,7 +193,7 @@ class Pair:
                 return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
-            ids = self.tokenizer.encode_chat(prompt)
+            ids = self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]  # messages here
         if not ids:
             raise InputError("the prompt encodes to no tokens; pass some text")
         return ids
@@ -198,6 +205,8 @@ class Pair:
         assistant's message and no generation prompt (the next message follows), or a plain
         prompt followed by the reply's text. What `prefill_ahead` takes (a reply's generated
         tokens may differ from how its text tokenizes, "\n\n" as one token against two, say)."""
+        if (given := prompt_ids(prompt)) is not None:
+            return given + self.tokenizer.encode(reply)
         if isinstance(prompt, str) and not chat:
             return self.encode_prompt(prompt + reply)
         messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)

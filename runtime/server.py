@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .errors import InputError
+from .generation import prompt_ids
 from .logprobs import TokenLogprob
 from .metrics import Metrics
 from .openai_api import (
@@ -260,8 +261,17 @@ async def _complete(request: Request, state: _State, kind: str) -> Response:
                                  before=_prompt_bytes(job, token_bytes) if echoed else b"")
         if echoed is not None:
             logprobs = join_logprobs_json(echoed, logprobs)
-    return JSONResponse(shape.body(result, logprobs, echo=str(parsed.prompt) if parsed.echo
-                                   else ""))
+    return JSONResponse(shape.body(result, logprobs, echo=_echo_text(state, parsed)))
+
+
+def _echo_text(state: _State, parsed: ParsedRequest) -> str:
+    """The prompt as an echoed completion starts with ("" without echo)."""
+    if not parsed.echo:
+        return ""
+    if isinstance(parsed.prompt, str):
+        return parsed.prompt
+    return state.pair.tokenizer.decode(prompt_ids(parsed.prompt) or [],
+                                       skip_special_tokens=False)
 
 
 def _echo_logprobs(job: Job, token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
@@ -321,7 +331,7 @@ async def _sse_events(shape: ResponseShape, bridge: Bridge, parsed: ParsedReques
             if wants:
                 echoed = _echo_logprobs(job, token_bytes)
                 sent.extend(_prompt_bytes(job, token_bytes))
-            yield shape.chunk(str(parsed.prompt), logprobs=echoed)
+            yield shape.chunk(_echo_text(state, parsed), logprobs=echoed)
         if isinstance(event, Delta):
             told += len(event.logprobs)
             yield shape.chunk(event.text, logprobs=logprobs(event.logprobs))

@@ -213,3 +213,14 @@ def test_prompt_logprobs_are_one_whole_calls(fixtures_dir: Path, fixture: str) -
     assert pair.prompt_logprobs(ids[:1]) == []
     with pytest.raises(InputError, match="outside the vocabulary"):
         pair.prompt_logprobs([10**6])
+
+
+def test_a_prompt_of_token_ids(tiny_pair: Pair) -> None:
+    text = tiny_pair.generate("The quick brown", GenerationConfig(max_new_tokens=8))
+    ids = tiny_pair.generate(text.prompt_tokens, GenerationConfig(max_new_tokens=8))
+    assert (ids.tokens, ids.text) == (text.tokens, text.text)
+    assert tiny_pair.encode_prompt([3, 4]) == [3, 4]
+    with pytest.raises(InputError, match="does not go through the chat template"):
+        tiny_pair.generate([3, 4], GenerationConfig(max_new_tokens=2, chat=True))
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        tiny_pair.generate([3, 10**6], GenerationConfig(max_new_tokens=2))

@@ -253,6 +253,16 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(served: Served) -> N
     plain = client.completions.create(model=model, prompt=prompt, max_tokens=3, echo=True,
                                       temperature=0)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    # The harness's default: the prompt as token ids, a list of one (and the ids alone).
+    for ids_prompt in ([ids], ids):
+        by_ids = client.completions.create(model=model, prompt=ids_prompt, max_tokens=1,
+                                           logprobs=1, echo=True, temperature=0)
+        assert by_ids.choices[0].text == pair.tokenizer.decode(
+            ids, skip_special_tokens=False) + after.text
+        assert by_ids.choices[0].logprobs is not None
+        assert by_ids.choices[0].logprobs.tokens == lp.tokens
+        np.testing.assert_allclose(by_ids.choices[0].logprobs.token_logprobs[1:],
+                                   lp.token_logprobs[1:], atol=1e-6)
 
 
 def test_stop_strings_and_seeded_sampling(served: Served) -> None:
@@ -514,6 +524,10 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
         ("completions logprobs above 5", {"model": model, "prompt": "Hi", "logprobs": 6}, 400,
          "logprobs"),
         ("echo on chat", {**chat, "echo": True}, 400, "echo"),
+        ("two prompts", {"model": model, "prompt": ["Hi", "Yo"]}, 400, "prompt"),
+        ("two token-id prompts", {"model": model, "prompt": [[1, 2], [3]]}, 400, "prompt"),
+        ("mixed prompt", {"model": model, "prompt": [1, "a"]}, 400, "prompt"),
+        ("token id outside the vocabulary", {"model": model, "prompt": [10**7]}, 400, "prompt"),
         ("tools", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
          "tools"),
         ("response_format", {**chat, "response_format": {"type": "json_object"}}, 400,
