@@ -1,6 +1,7 @@
 """lm-evaluation-harness against `specedge serve`: a multiple-choice task scored through the
-server's completions API (token-id prompts, `echo`, `logprobs`), and the same task scored by the
-harness's own transformers backend on the same weights, per sample.
+server's completions API (token-id prompts, `echo`, `logprobs`; the harness tokenizes through the
+server's /tokenize), and the same task scored by the harness's own transformers backend on the
+same weights, per sample.
 
     python benchmarks/lm_eval_check.py pairs/smollm2-135m --gguf PATH/TO/smollm2.gguf
 
@@ -121,8 +122,9 @@ def main() -> None:
                 time.sleep(0.5)
         served = _run_lm_eval(
             ["--model", "local-completions", "--model_args",
+             # no tokenizer given: the harness finds the server's /tokenizer_info and
+             # /tokenize and uses its "remote" tokenizer
              f"model=pair,base_url=http://127.0.0.1:{port}/v1/completions,"
-             f"tokenizer_backend=huggingface,tokenizer={args.pair.resolve()},"
              "num_concurrent=1,max_retries=1",
              "--tasks", "specedge_facts", "--include_path", str(work)], work / "served")
     finally:

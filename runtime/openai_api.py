@@ -32,7 +32,7 @@ from .policy import DRAFTER_CHOICES
 from .sampling import SamplingParams
 
 __all__ = ["APIError", "ParsedRequest", "RequestDefaults", "ResponseShape", "error_body",
-           "finish_reason", "parse_request", "sse", "usage"]
+           "finish_reason", "messages_field", "parse_request", "sse", "usage"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -186,7 +186,12 @@ def _content(value: Any, where: str) -> str:
     raise _bad(where, f"expected a string or a list of text parts, got {_short(value)}")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def messages_field(value: Any) -> list[dict[str, str]]:
+    """A request's `messages`: role and text content of each, checked.
+
+    Raises:
+        APIError: 400 naming the message and field at fault.
+    """
     if not isinstance(value, list) or not value:
         raise _bad("messages", "expected a non-empty list of messages")
     out = []
@@ -327,7 +332,7 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
         raise APIError(400, "the request body must be a JSON object")
     _check_model(body, defaults)
     _refuse_unsupported(body)
-    prompt: Prompt = _messages(body.get("messages")) if kind == "chat" else \
+    prompt: Prompt = messages_field(body.get("messages")) if kind == "chat" else \
         _prompt(body.get("prompt"))
     stream, include_usage = _stream_fields(body)
     max_tokens = _max_tokens(body, defaults)

@@ -7,7 +7,8 @@
 Built on Starlette (https://www.starlette.io); requests are translated by `openai_api` and
 decoded by `scheduler.Scheduler` on its own thread, so the event loop never runs a model. Routes:
 `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus text). With an API key, every route but `/health` needs
+`GET /metrics` (Prometheus text), and vLLM's tokenizer routes `GET /tokenizer_info`,
+`POST /tokenize`, `POST /detokenize` (`tokenize_api`). With an API key, every route but `/health` needs
 `Authorization: Bearer KEY`, compared in constant time. Errors use OpenAI's error format and
 never carry a traceback or a file path. Events cross from the worker thread to the event loop
 through `loop.call_soon_threadsafe`, so the app runs on asyncio servers (uvicorn, hypercorn).
@@ -66,6 +67,7 @@ from .server_http import (
     internal_error,
     read_json,
 )
+from .tokenize_api import detokenize, tokenize, tokenizer_info
 
 __all__ = ["ServerOptions", "create_app"]
 
@@ -209,6 +211,9 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
         Route("/v1/completions", bind(_text), methods=["POST"]),
         Route("/v1/models", bind(_models), methods=["GET"]),
         Route("/v1/models/{model:path}", bind(_model), methods=["GET"]),
+        Route("/tokenizer_info", bind(_tokenizer_info), methods=["GET"]),
+        Route("/tokenize", bind(_tokenize), methods=["POST"]),
+        Route("/detokenize", bind(_detokenize), methods=["POST"]),
         Route("/health", bind(_health), methods=["GET"]),
         Route("/metrics", bind(_metrics), methods=["GET"]),
     ]
@@ -391,6 +396,27 @@ async def _model(request: Request, state: _State) -> Response:
 
 def _model_card(state: _State) -> dict[str, Any]:
     return {"id": state.defaults.model, "object": "model", "created": 0, "owned_by": "specedge"}
+
+
+async def _tokenizer_info(request: Request, state: _State) -> Response:
+    return JSONResponse(tokenizer_info(state.pair, _context(state)))
+
+
+async def _tokenize(request: Request, state: _State) -> Response:
+    body = await read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
+    return JSONResponse(await run_in_threadpool(tokenize, state.pair, body, _context(state)))
+
+
+async def _detokenize(request: Request, state: _State) -> Response:
+    body = await read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
+    return JSONResponse(await run_in_threadpool(detokenize, state.pair, body))
+
+
+def _context(state: _State) -> int:
+    """The context (prompt + completion tokens) a request with the server's defaults gets."""
+    return state.scheduler.context(GenerationConfig(drafter=state.options.drafter,
+                                                    num_draft_tokens=state.options.num_draft_tokens,
+                                                    adaptive=state.options.adaptive))
 
 
 async def _health(request: Request, state: _State) -> Response:

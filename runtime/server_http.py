@@ -26,7 +26,8 @@ from .openai_api import APIError, error_body
 
 log = logging.getLogger("specedge.serve")
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenizer_info",
+          "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
@@ -158,8 +159,8 @@ async def api_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
 
-SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, "
-           "GET /metrics")
+SERVED = ("POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /tokenizer_info, "
+          "POST /tokenize, POST /detokenize, GET /health, GET /metrics")
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

@@ -289,6 +289,11 @@ class Tokenizer:
         return self._eos_token_ids
 
     @property
+    def chat_template(self) -> str | None:
+        """The chat template's jinja source (None: the pair has none)."""
+        return self._chat_template
+
+    @property
     def has_chat_template(self) -> bool:
         """Whether the pair ships a chat template."""
         return self._chat_template is not None

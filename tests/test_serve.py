@@ -265,6 +265,36 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(served: Served) -> N
                                    lp.token_logprobs[1:], atol=1e-6)
 
 
+def test_tokenizer_routes(served: Served) -> None:
+    pair, tok = served.pair, served.pair.tokenizer
+    messages = [{"role": "user", "content": "Hello there"}]
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        info = http.get("/tokenizer_info").json()
+        assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+        assert info["model_max_length"] == served.app.state.scheduler.context(GenerationConfig())
+        text = "The quick brown fox"
+        got = http.post("/tokenize", json={"prompt": text}).json()
+        assert got["tokens"] == pair.encode_prompt(text) and got["count"] == len(got["tokens"])
+        bare = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+        assert bare["tokens"] == tok.encode(text)
+        chat = http.post("/tokenize", json={"messages": messages}).json()
+        assert chat["tokens"] == pair.encode_prompt(messages)
+        back = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()
+        assert back["prompt"] == tok.decode(chat["tokens"], skip_special_tokens=False)
+        for path, body, param in (("/tokenize", {}, "prompt"),
+                                  ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                                  ("/tokenize", {"prompt": 5}, "prompt"),
+                                  ("/tokenize", {"prompt": "a", "add_special_tokens": 1},
+                                   "add_special_tokens"),
+                                  ("/tokenize", {"messages": [{"role": "tool"}]},
+                                   "messages[0].role"),
+                                  ("/detokenize", {"tokens": [10**7]}, "tokens"),
+                                  ("/detokenize", {"tokens": "12"}, "tokens")):
+            reply = http.post(path, json=body)
+            assert reply.status_code == 400, (path, body, reply.text)
+            assert reply.json()["error"]["param"] == param, (path, body, reply.text)
+
+
 def test_stop_strings_and_seeded_sampling(served: Served) -> None:
     client, pair, model = served.client(), served.pair, served.model
     full = solo(pair, "Once upon a time", 40).text
