@@ -8,10 +8,11 @@ Built on Starlette (https://www.starlette.io); requests are translated by `opena
 decoded by `scheduler.Scheduler` on its own thread, so the event loop never runs a model. Routes:
 `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
 `GET /metrics` (Prometheus text), and vLLM's tokenizer routes `GET /tokenizer_info`,
-`POST /tokenize`, `POST /detokenize` (`tokenize_api`). With an API key, every route but `/health` needs
-`Authorization: Bearer KEY`, compared in constant time. Errors use OpenAI's error format and
-never carry a traceback or a file path. Events cross from the worker thread to the event loop
-through `loop.call_soon_threadsafe`, so the app runs on asyncio servers (uvicorn, hypercorn).
+`POST /tokenize`, `POST /detokenize` (`tokenize_api`). With an API key, every route but
+`/health` needs `Authorization: Bearer KEY`, compared in constant time. Errors use OpenAI's
+error format and never carry a traceback or a file path. Events cross from the worker thread to
+the event loop through `loop.call_soon_threadsafe`, so the app runs on asyncio servers (uvicorn,
+hypercorn).
 """
 
 from __future__ import annotations
