@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,8 +86,9 @@ class ParsedRequest:
     """A validated completion request.
 
     Attributes:
-        kind: "chat" (messages through the chat template) or "text" (a plain prompt).
-        prompt: the prompt text, or the messages as `{"role", "content"}` dicts.
+        kind: "chat" (messages through the chat template) or "text" (plain prompts).
+        prompts: the messages as `{"role", "content"}` dicts (chat), or each prompt's text or
+            token ids (completions: one choice each, in order).
         config: what to generate; `max_new_tokens` is the request's or the server's limit.
         max_tokens_given: whether the request set `max_tokens` itself.
         stream, include_usage: server-sent events, and a final usage chunk.
@@ -95,12 +96,17 @@ class ParsedRequest:
     """
 
     kind: str
-    prompt: Prompt
+    prompts: tuple[Prompt, ...]  # chat: one (the messages); completions: one or more
     config: GenerationConfig
     max_tokens_given: bool
     stream: bool
     include_usage: bool
     echo: bool = False
+
+    @property
+    def prompt(self) -> Prompt:
+        """The first (for chat, the only) prompt."""
+        return self.prompts[0]
 
 
 def _short(value: Any) -> str:
@@ -211,21 +217,27 @@ def messages_field(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def _prompt(value: Any) -> str | list[int]:
-    """One prompt: a string or a list of token ids, alone or as a list of one (what the
-    `openai` client and evaluation harnesses send)."""
-    if prompt_ids(value) is not None:
-        return list(value)
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]
-        if prompt_ids(value) is not None:
-            return list(value)
-    if not isinstance(value, str):
-        raise _bad("prompt", "expected one prompt: a string or a list of token ids (lists of "
-                             "several prompts are not supported)")
-    if not value:
-        raise _bad("prompt", "the prompt is empty")
-    return value
+MAX_PROMPTS = 256  # prompts in one completions request
+
+
+def _one_prompt(value: Any) -> str | list[int] | None:
+    """A prompt's text or token ids; None for anything else."""
+    if (ids := prompt_ids(value)) is not None:
+        return ids
+    return value if isinstance(value, str) and value else None
+
+
+def _prompts(value: Any) -> tuple[str | list[int], ...]:
+    """The completions `prompt`: a string or a list of token ids, or a list of those (one
+    choice each, as the `openai` client and evaluation harnesses send batches)."""
+    if (one := _one_prompt(value)) is not None:
+        return (one,)
+    if isinstance(value, list) and 0 < len(value) <= MAX_PROMPTS:
+        many = [_one_prompt(v) for v in value]
+        if all(p is not None for p in many):
+            return tuple(p for p in many if p is not None)
+    raise _bad("prompt", f"expected a non-empty string or list of token ids, or a list of 1 to "
+                         f"{MAX_PROMPTS} of them")
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -332,8 +344,8 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
         raise APIError(400, "the request body must be a JSON object")
     _check_model(body, defaults)
     _refuse_unsupported(body)
-    prompt: Prompt = messages_field(body.get("messages")) if kind == "chat" else \
-        _prompt(body.get("prompt"))
+    prompts: tuple[Prompt, ...] = (messages_field(body.get("messages")),) if kind == "chat" \
+        else _prompts(body.get("prompt"))
     stream, include_usage = _stream_fields(body)
     max_tokens = _max_tokens(body, defaults)
     drafter, k, adaptive = _plan_fields(body, defaults)
@@ -348,7 +360,7 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
     if echo and kind == "chat":
         raise _bad("echo", "only the completions API (/v1/completions) takes echo",
                    code="unsupported_parameter")
-    return ParsedRequest(kind, prompt, config, max_tokens is not None, stream, include_usage,
+    return ParsedRequest(kind, prompts, config, max_tokens is not None, stream, include_usage,
                          echo)
 
 
@@ -357,18 +369,22 @@ def finish_reason(stop_reason: str) -> str:
     return _FINISH.get(stop_reason, "stop")
 
 
-def usage(result: GenerationResult) -> dict[str, Any]:
-    """Token counts (with the prompt tokens a kept prefix held, as OpenAI reports cached
-    ones), plus specedge's speculation statistics under "specedge"."""
-    stats = result.stats
-    prompt, completion = len(result.prompt_tokens), len(result.tokens)
+def usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """Token counts of a response's choices (with the prompt tokens a kept prefix held, as
+    OpenAI reports cached ones), plus specedge's speculation statistics under "specedge"."""
+    prompt = sum(len(r.prompt_tokens) for r in results)
+    completion = sum(len(r.tokens) for r in results)
+    proposed = sum(r.stats.proposed for r in results)
+    accepted = sum(r.stats.accepted for r in results)
+    rounds = sum(r.stats.rounds for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
-            "specedge": {"acceptance_rate": round(stats.acceptance_rate, 4),
-                         "tokens_per_round": round(stats.mean_accepted_length, 4),
-                         "proposed": stats.proposed, "accepted": stats.accepted,
-                         "rounds": stats.rounds}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_tokens
+                                                           for r in results)},
+            "specedge": {"acceptance_rate": round(accepted / proposed if proposed else 0.0, 4),
+                         "tokens_per_round": round(1.0 + accepted / rounds if rounds else 0.0,
+                                                   4),
+                         "proposed": proposed, "accepted": accepted, "rounds": rounds}}
 
 
 @dataclass(frozen=True)
@@ -390,37 +406,39 @@ class ResponseShape:
             else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, text: str | None, finish: str | None, chunk: bool,
+    def _choice(self, index: int, text: str | None, finish: str | None, chunk: bool,
                 logprobs: dict[str, Any] | None) -> dict[str, Any]:
         if self.kind == "text":
-            return {"index": 0, "text": text or "", "logprobs": logprobs,
+            return {"index": index, "text": text or "", "logprobs": logprobs,
                     "finish_reason": finish}
         if not chunk:
-            return {"index": 0, "message": {"role": "assistant", "content": text},
+            return {"index": index, "message": {"role": "assistant", "content": text},
                     "logprobs": logprobs, "finish_reason": finish}
         delta: dict[str, Any] = {} if text is None else {"content": text}
         if text == "":  # the opening chunk
             delta = {"role": "assistant", "content": ""}
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def body(self, result: GenerationResult, logprobs: dict[str, Any] | None = None,
-             echo: str = "") -> dict[str, Any]:
-        """The whole (non-streaming) response (`logprobs`: see `logprobs_json`; `echo`: the
-        prompt, which the text starts with)."""
-        choice = self._choice(echo + result.text, finish_reason(result.stop_reason), False,
-                              logprobs)
-        return {**self._head(False), "choices": [choice], "usage": usage(result)}
+    def body(self, choices: Sequence[tuple[GenerationResult, dict[str, Any] | None, str]]
+             ) -> dict[str, Any]:
+        """The whole (non-streaming) response: per choice, its result, its logprobs (see
+        `openai_logprobs`) and the echoed prompt its text starts with ("" without echo)."""
+        return {**self._head(False),
+                "choices": [self._choice(i, echo + result.text,
+                                         finish_reason(result.stop_reason), False, logprobs)
+                            for i, (result, logprobs, echo) in enumerate(choices)],
+                "usage": usage([result for result, _, _ in choices])}
 
     def chunk(self, text: str | None, finish: str | None = None,
-              logprobs: dict[str, Any] | None = None) -> bytes:
-        """One SSE event: a text delta ("" opens a chat stream; None with a finish_reason),
-        with the logprobs of the tokens it adds (see `logprobs_json`)."""
+              logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
+        """One SSE event of choice `index`: a text delta ("" opens a chat stream; None with a
+        finish_reason), with the logprobs of the tokens it adds (see `openai_logprobs`)."""
         return sse({**self._head(True),
-                    "choices": [self._choice(text, finish, True, logprobs)]})
+                    "choices": [self._choice(index, text, finish, True, logprobs)]})
 
-    def usage_chunk(self, result: GenerationResult) -> bytes:
+    def usage_chunk(self, results: Sequence[GenerationResult]) -> bytes:
         """The final SSE event of `stream_options.include_usage`: no choices, the usage."""
-        return sse({**self._head(True), "choices": [], "usage": usage(result)})
+        return sse({**self._head(True), "choices": [], "usage": usage(results)})
 
 
 def sse(obj: Mapping[str, Any]) -> bytes:

@@ -17,10 +17,9 @@ hypercorn).
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -32,36 +31,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .completions import complete
 from .errors import InputError
-from .generation import prompt_ids
-from .logprobs import TokenLogprob
 from .metrics import Metrics
 from .openai_api import (
-    SSE_DONE,
     APIError,
-    ParsedRequest,
     RequestDefaults,
-    ResponseShape,
-    error_body,
-    finish_reason,
-    parse_request,
-    sse,
 )
-from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_json
-from .pair import GenerationConfig, GenerationResult, Pair
+from .pair import GenerationConfig, Pair
 from .scheduler import (
-    Delta,
-    Failed,
-    Finished,
-    Job,
-    QueueFull,
     Scheduler,
     SchedulerOptions,
 )
 from .server_http import (
-    Bridge,
     CountRequests,
-    GenerationStream,
     RequireKey,
     api_error,
     http_error,
@@ -71,11 +54,6 @@ from .server_http import (
 from .tokenize_api import detokenize, tokenize, tokenizer_info
 
 __all__ = ["ServerOptions", "create_app"]
-
-# How a worker-side failure reaches the client: status, error type.
-_FAILED = {"input": (400, "invalid_request_error"), "timeout": (504, "timeout_error"),
-           "cancelled": (499, "invalid_request_error"), "shutdown": (503, "server_error"),
-           "internal": (500, "server_error")}
 
 
 @dataclass(frozen=True)
@@ -152,7 +130,9 @@ class ServerOptions:
 
 
 @dataclass
-class _State:
+class ServerState:
+    """What the routes share: the pair, the options, the worker and its counters."""
+
     pair: Pair
     options: ServerOptions
     scheduler: Scheduler
@@ -192,7 +172,7 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
                                drafter=options.drafter,
                                num_draft_tokens=options.num_draft_tokens,
                                adaptive=options.adaptive, per_request_plan=not scheduler.batched)
-    state = _State(pair, options, scheduler, metrics, defaults)
+    state = ServerState(pair, options, scheduler, metrics, defaults)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -201,7 +181,7 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
         yield
         await anyio.to_thread.run_sync(scheduler.close)
 
-    def bind(handler: Callable[[Request, _State], Awaitable[Response]]
+    def bind(handler: Callable[[Request, ServerState], Awaitable[Response]]
              ) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             return await handler(request, state)
@@ -234,200 +214,58 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
 # ------------------------------------------------------------------------------- routes
 
 
-async def _chat(request: Request, state: _State) -> Response:
-    return await _complete(request, state, "chat")
+async def _chat(request: Request, state: ServerState) -> Response:
+    return await complete(request, state, "chat")
 
 
-async def _text(request: Request, state: _State) -> Response:
-    return await _complete(request, state, "text")
+async def _text(request: Request, state: ServerState) -> Response:
+    return await complete(request, state, "text")
 
 
-async def _complete(request: Request, state: _State, kind: str) -> Response:
-    body = await read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
-    parsed = parse_request(kind, body, state.defaults)
-    config = await run_in_threadpool(_fit, state, parsed)
-    shape = ResponseShape.new(kind, state.defaults.model)
-    bridge = Bridge(asyncio.get_running_loop())
-    score = parsed.config.logprobs if parsed.echo else None  # the echoed prompt's logprobs
-    try:
-        job = state.scheduler.submit(parsed.prompt, config, bridge.put, score_prompt=score)
-    except QueueFull as full:
-        raise APIError(429, f"The server is busy ({state.options.max_queue} requests queued); "
-                            f"retry after {full.retry_after} s.", kind="rate_limit_error",
-                       code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
-    if parsed.stream:
-        return GenerationStream(_sse_events(shape, bridge, parsed, state, job),
-                                 on_close=lambda: state.scheduler.cancel(job))
-    result = await _collect(request, bridge, job, state)
-    token_bytes = state.pair.tokenizer.token_bytes
-    logprobs = None
-    if result.logprobs is not None:
-        echoed = _echo_logprobs(job, token_bytes) if parsed.echo else None
-        logprobs = logprobs_json(kind, result.logprobs, token_bytes,
-                                 before=_prompt_bytes(job, token_bytes) if echoed else b"")
-        if echoed is not None:
-            logprobs = join_logprobs_json(echoed, logprobs)
-    return JSONResponse(shape.body(result, logprobs, echo=_echo_text(state, parsed)))
-
-
-def _echo_text(state: _State, parsed: ParsedRequest) -> str:
-    """The prompt as an echoed completion starts with ("" without echo)."""
-    if not parsed.echo:
-        return ""
-    if isinstance(parsed.prompt, str):
-        return parsed.prompt
-    return state.pair.tokenizer.decode(prompt_ids(parsed.prompt) or [],
-                                       skip_special_tokens=False)
-
-
-def _echo_logprobs(job: Job, token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
-    """The echoed prompt's logprobs (scored by the worker before the job's first event)."""
-    return echo_logprobs_json(job.prompt_ids, job.prompt_logprobs, token_bytes)
-
-
-def _prompt_bytes(job: Job, token_bytes: Callable[[int], bytes]) -> bytes:
-    return b"".join(token_bytes(t) for t in job.prompt_ids)
-
-
-def _fit(state: _State, parsed: ParsedRequest) -> GenerationConfig:
-    """Encode the prompt and fit the completion into the context (runs off the event loop).
-
-    Raises:
-        APIError: 400 for a prompt the chat template refuses, or one too long for the context.
-    """
-    param = "messages" if parsed.kind == "chat" else "prompt"
-    try:
-        ids = state.pair.encode_prompt(parsed.prompt)
-        context = state.scheduler.context(parsed.config)
-    except InputError as exc:
-        raise APIError(400, state.public(str(exc)), param=param) from None
-    room = context - len(ids)
-    asked = parsed.config.max_new_tokens
-    if room < 1 or (parsed.max_tokens_given and asked > room):
-        raise APIError(400, f"This model's maximum context length is {context} tokens; the "
-                            f"prompt has {len(ids)} tokens"
-                            + (f" and {asked} more were requested." if room >= 1 else "."),
-                       param=param, code="context_length_exceeded")
-    return replace(parsed.config, max_new_tokens=min(asked, room))
-
-
-async def _sse_events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest,
-                      state: _State, job: Job) -> AsyncIterator[bytes]:
-    wants = parsed.config.logprobs is not None
-    token_bytes = state.pair.tokenizer.token_bytes
-    sent = bytearray()  # the bytes of the tokens whose logprobs were sent (for text offsets)
-    echo = parsed.echo
-
-    def logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
-        if not wants:
-            return None
-        out = logprobs_json(shape.kind, entries, token_bytes, before=bytes(sent))
-        for e in entries:
-            sent.extend(token_bytes(e.token))
-        return out
-
-    if shape.kind == "chat":
-        yield shape.chunk("")
-    told = 0  # tokens whose logprobs were sent
-    while True:
-        event = await bridge.get()
-        if echo and not isinstance(event, Failed):  # the prompt first, once
-            echo = False
-            echoed = None
-            if wants:
-                echoed = _echo_logprobs(job, token_bytes)
-                sent.extend(_prompt_bytes(job, token_bytes))
-            yield shape.chunk(_echo_text(state, parsed), logprobs=echoed)
-        if isinstance(event, Delta):
-            told += len(event.logprobs)
-            yield shape.chunk(event.text, logprobs=logprobs(event.logprobs))
-        elif isinstance(event, Finished):
-            rest = (event.result.logprobs or [])[told:]  # tokens no delta carried (eos, say)
-            yield shape.chunk(None, finish_reason(event.result.stop_reason),
-                              logprobs(rest) if rest else None)
-            if parsed.include_usage:
-                yield shape.usage_chunk(event.result)
-            break
-        else:
-            error = _failure_error(event, state)
-            yield sse(error_body(error.message, kind=error.kind, code=error.code))
-            break
-    yield SSE_DONE
-
-
-async def _collect(request: Request, bridge: Bridge, job: Job, state: _State
-                   ) -> GenerationResult:
-    """Wait for a non-streaming job; a client that disconnects cancels it."""
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(_cancel_on_disconnect, request, job, state)
-            event = await bridge.get()
-            while isinstance(event, Delta):
-                event = await bridge.get()
-            group.cancel_scope.cancel()
-    finally:
-        state.scheduler.cancel(job)  # no-op when it has ended
-    if isinstance(event, Failed):
-        raise _failure_error(event, state)
-    assert isinstance(event, Finished)
-    return event.result
-
-
-async def _cancel_on_disconnect(request: Request, job: Job, state: _State) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    state.scheduler.cancel(job)
-
-
-def _failure_error(event: Failed, state: _State) -> APIError:
-    status, kind = _FAILED[event.reason]
-    return APIError(status, state.public(event.message), kind=kind, code=event.reason)
-
-
-async def _models(request: Request, state: _State) -> Response:
+async def _models(request: Request, state: ServerState) -> Response:
     return JSONResponse({"object": "list", "data": [_model_card(state)]})
 
 
-async def _model(request: Request, state: _State) -> Response:
+async def _model(request: Request, state: ServerState) -> Response:
     if request.path_params["model"] != state.defaults.model:
         raise APIError(404, "The model does not exist; GET /v1/models lists the served one.",
                        param="model", code="model_not_found")
     return JSONResponse(_model_card(state))
 
 
-def _model_card(state: _State) -> dict[str, Any]:
+def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.defaults.model, "object": "model", "created": 0, "owned_by": "specedge"}
 
 
-async def _tokenizer_info(request: Request, state: _State) -> Response:
+async def _tokenizer_info(request: Request, state: ServerState) -> Response:
     return JSONResponse(tokenizer_info(state.pair, _context(state)))
 
 
-async def _tokenize(request: Request, state: _State) -> Response:
+async def _tokenize(request: Request, state: ServerState) -> Response:
     body = await read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
     return JSONResponse(await run_in_threadpool(tokenize, state.pair, body, _context(state)))
 
 
-async def _detokenize(request: Request, state: _State) -> Response:
+async def _detokenize(request: Request, state: ServerState) -> Response:
     body = await read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
     return JSONResponse(await run_in_threadpool(detokenize, state.pair, body))
 
 
-def _context(state: _State) -> int:
+def _context(state: ServerState) -> int:
     """The context (prompt + completion tokens) a request with the server's defaults gets."""
     return state.scheduler.context(GenerationConfig(drafter=state.options.drafter,
                                                     num_draft_tokens=state.options.num_draft_tokens,
                                                     adaptive=state.options.adaptive))
 
 
-async def _health(request: Request, state: _State) -> Response:
+async def _health(request: Request, state: ServerState) -> Response:
     ok = state.scheduler.alive
     return JSONResponse({"status": "ok" if ok else "error", "model": state.defaults.model,
                          "scheduling": "continuous-batch" if state.scheduler.batched
                          else "fifo-batch-1"}, status_code=200 if ok else 503)
 
 
-async def _metrics(request: Request, state: _State) -> Response:
+async def _metrics(request: Request, state: ServerState) -> Response:
     text = state.metrics.render({"specedge_queue_depth": state.scheduler.queued,
                                  "specedge_running": state.scheduler.running,
                                  "specedge_warmup_seconds": state.scheduler.warmup_s})

@@ -63,19 +63,20 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
 
 
 class Bridge:
-    """Events from the worker thread into the event loop (one request)."""
+    """Items (a request's events, tagged with their choice) from the worker thread into the
+    event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-    def put(self, event: Event) -> None:  # worker thread
+    def put(self, item: tuple[int, Event]) -> None:  # worker thread
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop has closed (server shutdown)
             pass
 
-    async def get(self) -> Event:
+    async def get(self) -> tuple[int, Event]:
         return await self.queue.get()
 
 

@@ -265,6 +265,42 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(served: Served) -> N
                                    lp.token_logprobs[1:], atol=1e-6)
 
 
+def test_several_prompts_in_one_completions_request(served: Served) -> None:
+    client, pair, model = served.client(), served.pair, served.model
+    ids = pair.encode_prompt("Once upon a time")
+    prompts: list[Any] = ["The quick brown fox", ids, "def add(a, b):"]
+    want = [solo(pair, p, 12, chat=False) for p in prompts]
+    reply = client.completions.create(model=model, prompt=prompts, max_tokens=12,
+                                      temperature=0, logprobs=1)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for choice, one in zip(reply.choices, want, strict=True):
+        assert choice.text == one.text
+        assert choice.logprobs is not None and len(choice.logprobs.tokens) == len(one.tokens)
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == sum(len(w.tokens) for w in want)
+    assert reply.usage.prompt_tokens == sum(len(w.prompt_tokens) for w in want)
+    texts = {0: "", 1: "", 2: ""}
+    chunks = list(client.completions.create(model=model, prompt=prompts, max_tokens=12,
+                                            temperature=0, stream=True, echo=True,
+                                            stream_options={"include_usage": True}))
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    echoed = [prompts[0], pair.tokenizer.decode(ids, skip_special_tokens=False), prompts[2]]
+    assert [texts[i] for i in range(3)] == [e + w.text for e, w in zip(echoed, want,
+                                                                       strict=True)]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == sum(
+        len(w.tokens) for w in want)
+    most = served.app.state.scheduler.slots + 16  # --max-batch (1 for a FIFO) + --max-queue
+    with httpx.Client(base_url=served.url, timeout=30) as http:
+        reply = http.post("/v1/completions", json={"model": model, "prompt": ["Hi"] * (most + 1),
+                                                   "max_tokens": 2})
+        assert reply.status_code == 400 and f"at most {most}" in reply.json()["error"]["message"]
+        reply = http.post("/v1/completions", json={"model": model, "prompt": ["Hi", ""],
+                                                   "max_tokens": 2})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
+
+
 def test_tokenizer_routes(served: Served) -> None:
     pair, tok = served.pair, served.pair.tokenizer
     messages = [{"role": "user", "content": "Hello there"}]
@@ -554,8 +590,9 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
         ("completions logprobs above 5", {"model": model, "prompt": "Hi", "logprobs": 6}, 400,
          "logprobs"),
         ("echo on chat", {**chat, "echo": True}, 400, "echo"),
-        ("two prompts", {"model": model, "prompt": ["Hi", "Yo"]}, 400, "prompt"),
-        ("two token-id prompts", {"model": model, "prompt": [[1, 2], [3]]}, 400, "prompt"),
+        ("an empty prompt among several", {"model": model, "prompt": ["Hi", ""]}, 400,
+         "prompt"),
+        ("an empty token-id prompt", {"model": model, "prompt": [[1, 2], []]}, 400, "prompt"),
         ("mixed prompt", {"model": model, "prompt": [1, "a"]}, 400, "prompt"),
         ("token id outside the vocabulary", {"model": model, "prompt": [10**7]}, 400, "prompt"),
         ("tools", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,

@@ -1,0 +1,245 @@
+"""One completion request through the server (`runtime/server`): its prompts fitted to the
+context and submitted to the scheduler as jobs, one choice each (a completions request may send
+several prompts, as evaluation harnesses batch them: they join the running batch together), and
+their events turned into the response or its server-sent events, with each choice's echoed
+prompt and logprobs. Any choice that fails fails the request, and the others are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .errors import InputError
+from .generation import Prompt, prompt_ids
+from .jobs import Delta, Failed, Finished, Job, QueueFull
+from .logprobs import TokenLogprob
+from .openai_api import (
+    SSE_DONE,
+    APIError,
+    ParsedRequest,
+    ResponseShape,
+    error_body,
+    finish_reason,
+    parse_request,
+    sse,
+)
+from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_json
+from .pair import GenerationConfig, GenerationResult
+from .server_http import Bridge, GenerationStream, read_json
+
+if TYPE_CHECKING:
+    from .server import ServerState
+
+__all__ = ["complete"]
+
+# How a worker-side failure reaches the client: status, error type.
+_FAILED = {"input": (400, "invalid_request_error"), "timeout": (504, "timeout_error"),
+           "cancelled": (499, "invalid_request_error"), "shutdown": (503, "server_error"),
+           "internal": (500, "server_error")}
+
+
+@dataclass
+class _Choice:
+    """One prompt of a request: its job, and what its stream has sent so far."""
+
+    index: int
+    prompt: Prompt
+    job: Job
+    echo: bool  # the echoed prompt is still to be sent (streams)
+    told: int = 0  # tokens whose logprobs were sent
+    sent: bytearray = field(default_factory=bytearray)  # their bytes (for text offsets)
+
+
+async def complete(request: Request, state: ServerState, kind: str) -> Response:
+    """`POST /v1/chat/completions` ("chat") or `POST /v1/completions` ("text")."""
+    body = await read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
+    parsed = parse_request(kind, body, state.defaults)
+    most = state.scheduler.slots + state.options.max_queue
+    if len(parsed.prompts) > most:
+        raise APIError(400, f"'prompt': {len(parsed.prompts)} prompts, but this server takes at "
+                            f"most {most} in one request (its --max-batch + --max-queue); send "
+                            "fewer at a time", param="prompt")
+    configs = await run_in_threadpool(_fit_all, state, parsed)
+    shape = ResponseShape.new(kind, state.defaults.model)
+    bridge = Bridge(asyncio.get_running_loop())
+    choices = _submit(state, parsed, configs, bridge)
+    if parsed.stream:
+        return GenerationStream(_events(shape, bridge, parsed, state, choices),
+                                on_close=lambda: _cancel(state, choices))
+    results = await _collect(request, bridge, choices, state)
+    token_bytes = state.pair.tokenizer.token_bytes
+    return JSONResponse(shape.body([
+        (result, _result_logprobs(kind, parsed, choice, result, token_bytes),
+         _echo_text(state, choice) if parsed.echo else "")
+        for choice, result in zip(choices, results, strict=True)]))
+
+
+def _fit_all(state: ServerState, parsed: ParsedRequest) -> list[GenerationConfig]:
+    """Each prompt's config, its completion fitted into the context (off the event loop).
+
+    Raises:
+        APIError: 400 for a prompt the chat template refuses, or one too long for the context.
+    """
+    param = "messages" if parsed.kind == "chat" else "prompt"
+    configs = []
+    for prompt in parsed.prompts:
+        try:
+            ids = state.pair.encode_prompt(prompt)
+            context = state.scheduler.context(parsed.config)
+        except InputError as exc:
+            raise APIError(400, state.public(str(exc)), param=param) from None
+        room = context - len(ids)
+        asked = parsed.config.max_new_tokens
+        if room < 1 or (parsed.max_tokens_given and asked > room):
+            raise APIError(400, f"This model's maximum context length is {context} tokens; the "
+                                f"prompt has {len(ids)} tokens"
+                                + (f" and {asked} more were requested." if room >= 1 else "."),
+                           param=param, code="context_length_exceeded")
+        configs.append(replace(parsed.config, max_new_tokens=min(asked, room)))
+    return configs
+
+
+def _submit(state: ServerState, parsed: ParsedRequest, configs: Sequence[GenerationConfig],
+            bridge: Bridge) -> list[_Choice]:
+    """One job per prompt, its events tagged with its choice's index.
+
+    Raises:
+        APIError: 429 when the queue cannot take them all (those taken are cancelled).
+    """
+    score = parsed.config.logprobs if parsed.echo else None  # the echoed prompt's logprobs
+    choices: list[_Choice] = []
+    try:
+        for i, (prompt, config) in enumerate(zip(parsed.prompts, configs, strict=True)):
+            def sink(event: Any, i: int = i) -> None:
+                bridge.put((i, event))
+
+            job = state.scheduler.submit(prompt, config, sink, score_prompt=score)
+            choices.append(_Choice(i, prompt, job, parsed.echo))
+    except QueueFull as full:
+        _cancel(state, choices)
+        raise APIError(429, f"The server is busy ({state.options.max_queue} requests queued); "
+                            f"retry after {full.retry_after} s.", kind="rate_limit_error",
+                       code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
+    return choices
+
+
+def _cancel(state: ServerState, choices: Sequence[_Choice]) -> None:
+    for choice in choices:
+        state.scheduler.cancel(choice.job)  # no-op once it has ended
+
+
+def _echo_text(state: ServerState, choice: _Choice) -> str:
+    """The prompt an echoed completion starts with: its text, or its token ids' text."""
+    if isinstance(choice.prompt, str):
+        return choice.prompt
+    return state.pair.tokenizer.decode(prompt_ids(choice.prompt) or [],
+                                       skip_special_tokens=False)
+
+
+def _echoed(choice: _Choice, token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
+    """The echoed prompt's logprobs (the worker scored it before the job's first event)."""
+    return echo_logprobs_json(choice.job.prompt_ids, choice.job.prompt_logprobs, token_bytes)
+
+
+def _prompt_bytes(choice: _Choice, token_bytes: Callable[[int], bytes]) -> bytes:
+    return b"".join(token_bytes(t) for t in choice.job.prompt_ids)
+
+
+def _result_logprobs(kind: str, parsed: ParsedRequest, choice: _Choice,
+                     result: GenerationResult, token_bytes: Callable[[int], bytes]
+                     ) -> dict[str, Any] | None:
+    """A finished choice's logprobs object (None when the request asked for none)."""
+    if result.logprobs is None:
+        return None
+    if not parsed.echo:
+        return logprobs_json(kind, result.logprobs, token_bytes)
+    return join_logprobs_json(_echoed(choice, token_bytes), logprobs_json(
+        kind, result.logprobs, token_bytes, before=_prompt_bytes(choice, token_bytes)))
+
+
+async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest,
+                  state: ServerState, choices: Sequence[_Choice]) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed request, each choice's chunks as they come."""
+    wants = parsed.config.logprobs is not None
+    token_bytes = state.pair.tokenizer.token_bytes
+
+    def logprobs(choice: _Choice, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if not wants:
+            return None
+        out = logprobs_json(shape.kind, entries, token_bytes, before=bytes(choice.sent))
+        for e in entries:
+            choice.sent.extend(token_bytes(e.token))
+        return out
+
+    if shape.kind == "chat":
+        yield shape.chunk("")
+    results: dict[int, GenerationResult] = {}
+    while len(results) < len(choices):
+        index, event = await bridge.get()
+        choice = choices[index]
+        if isinstance(event, Failed):
+            error = _failure_error(event, state)
+            yield sse(error_body(error.message, kind=error.kind, code=error.code))
+            break
+        if choice.echo:  # the prompt first, once
+            choice.echo = False
+            echoed = None
+            if wants:
+                echoed = _echoed(choice, token_bytes)
+                choice.sent.extend(_prompt_bytes(choice, token_bytes))
+            yield shape.chunk(_echo_text(state, choice), logprobs=echoed, index=index)
+        if isinstance(event, Delta):
+            choice.told += len(event.logprobs)
+            yield shape.chunk(event.text, logprobs=logprobs(choice, event.logprobs), index=index)
+        elif isinstance(event, Finished):
+            rest = (event.result.logprobs or [])[choice.told:]  # tokens no delta carried
+            yield shape.chunk(None, finish_reason(event.result.stop_reason),
+                              logprobs(choice, rest) if rest else None, index=index)
+            results[index] = event.result
+    else:
+        if parsed.include_usage:
+            yield shape.usage_chunk([results[i] for i in range(len(choices))])
+    yield SSE_DONE
+
+
+async def _collect(request: Request, bridge: Bridge, choices: Sequence[_Choice],
+                   state: ServerState) -> list[GenerationResult]:
+    """Wait for every choice of a non-streaming request, in order; a client that disconnects
+    cancels them, and a failed one fails the request (and cancels the rest)."""
+    results: dict[int, GenerationResult] = {}
+    failed: Failed | None = None
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(_cancel_on_disconnect, request, choices, state)
+            while len(results) < len(choices) and failed is None:
+                index, event = await bridge.get()
+                if isinstance(event, Finished):
+                    results[index] = event.result
+                elif isinstance(event, Failed):
+                    failed = event
+            group.cancel_scope.cancel()
+    finally:
+        _cancel(state, choices)
+    if failed is not None:
+        raise _failure_error(failed, state)
+    return [results[i] for i in range(len(choices))]
+
+
+async def _cancel_on_disconnect(request: Request, choices: Sequence[_Choice],
+                                state: ServerState) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    _cancel(state, choices)
+
+
+def _failure_error(event: Failed, state: ServerState) -> APIError:
+    status, kind = _FAILED[event.reason]
+    return APIError(status, state.public(event.message), kind=kind, code=event.reason)
