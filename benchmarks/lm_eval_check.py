@@ -73,10 +73,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_lm_eval(args: list[str], out: Path) -> dict[tuple[int, int], tuple[float, bool]]:
+def _run_lm_eval(args: list[str], out: Path, batch: int = 1
+                 ) -> dict[tuple[int, int], tuple[float, bool]]:
     """Run lm_eval; returns (doc, choice) -> (loglikelihood, is_greedy) from its samples."""
     subprocess.run([sys.executable, "-m", "lm_eval", *args, "--output_path", str(out),
-                    "--log_samples", "--batch_size", "1"], check=True)
+                    "--log_samples", "--batch_size", str(batch)], check=True)
     samples = next(out.rglob("samples_specedge_facts_*.jsonl"))
     scores = {}
     for line in samples.read_text().splitlines():
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, default=None, help="the same weights for the "
                     "transformers reference (skipped without)")
     ap.add_argument("--specedge", default=str(Path(".venv-runtime/bin/specedge")))
+    ap.add_argument("--batch-size", type=int, default=1, help="prompts per request (the "
+                    "harness's --batch_size; on a --graph concat pair they decode together)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lm-eval-check-"))
     data = work / "facts.jsonl"
@@ -120,18 +123,22 @@ def main() -> None:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise SystemExit("specedge serve did not start") from None
                 time.sleep(0.5)
+        started = time.monotonic()
         served = _run_lm_eval(
             ["--model", "local-completions", "--model_args",
              # no tokenizer given: the harness finds the server's /tokenizer_info and
              # /tokenize and uses its "remote" tokenizer
              f"model=pair,base_url=http://127.0.0.1:{port}/v1/completions,"
              "num_concurrent=1,max_retries=1",
-             "--tasks", "specedge_facts", "--include_path", str(work)], work / "served")
+             "--tasks", "specedge_facts", "--include_path", str(work)], work / "served",
+            args.batch_size)
+        seconds = time.monotonic() - started
     finally:
         server.terminate()
         server.wait(30)
     print(f"lm-evaluation-harness, {len(QUESTIONS)} four-choice questions, loglikelihood")
-    print(f"specedge serve ({args.pair}): acc {_accuracy(served):.3f}")
+    print(f"specedge serve ({args.pair}, {args.batch_size} prompts per request): acc "
+          f"{_accuracy(served):.3f} in {seconds:.1f} s (harness start-up included)")
     if args.gguf is None:
         return
     reference = _run_lm_eval(
