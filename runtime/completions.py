@@ -63,10 +63,11 @@ async def complete(request: Request, state: ServerState, kind: str) -> Response:
     body = await read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
     parsed = parse_request(kind, body, state.defaults)
     most = state.scheduler.slots + state.options.max_queue
-    if len(parsed.prompts) > most:
-        raise APIError(400, f"'prompt': {len(parsed.prompts)} prompts, but this server takes at "
-                            f"most {most} in one request (its --max-batch + --max-queue); send "
-                            "fewer at a time", param="prompt")
+    if len(parsed.prompts) * parsed.n > most:
+        raise APIError(400, f"'prompt': {len(parsed.prompts)} prompts x n={parsed.n} choices, "
+                            f"but this server takes at most {most} in one request (its "
+                            "--max-batch + --max-queue); send fewer at a time",
+                       param="n" if parsed.n > 1 else "prompt")
     configs = await run_in_threadpool(_fit_all, state, parsed)
     shape = ResponseShape.new(kind, state.defaults.model)
     bridge = Bridge(asyncio.get_running_loop())
@@ -117,18 +118,31 @@ def _submit(state: ServerState, parsed: ParsedRequest, configs: Sequence[Generat
     score = parsed.config.logprobs if parsed.echo else None  # the echoed prompt's logprobs
     choices: list[_Choice] = []
     try:
-        for i, (prompt, config) in enumerate(zip(parsed.prompts, configs, strict=True)):
-            def sink(event: Any, i: int = i) -> None:
-                bridge.put((i, event))
+        for p, (prompt, config) in enumerate(zip(parsed.prompts, configs, strict=True)):
+            for j in range(parsed.n):  # OpenAI's order: prompt by prompt, n choices each
+                i = p * parsed.n + j
 
-            job = state.scheduler.submit(prompt, config, sink, score_prompt=score)
-            choices.append(_Choice(i, prompt, job, parsed.echo))
+                def sink(event: Any, i: int = i) -> None:
+                    bridge.put((i, event))
+
+                job = state.scheduler.submit(prompt, _choice_config(config, j), sink,
+                                             score_prompt=score)
+                choices.append(_Choice(i, prompt, job, parsed.echo))
     except QueueFull as full:
         _cancel(state, choices)
         raise APIError(429, f"The server is busy ({state.options.max_queue} requests queued); "
                             f"retry after {full.retry_after} s.", kind="rate_limit_error",
                        code="queue_full", headers={"Retry-After": str(full.retry_after)}) from None
     return choices
+
+
+def _choice_config(config: GenerationConfig, j: int) -> GenerationConfig:
+    """Choice j of a prompt: a seeded request's samples with seed + j (the same seed would give
+    the same text: seeded sampling is position-keyed), the others as asked."""
+    seed = config.sampling.seed
+    if j == 0 or seed is None or config.sampling.greedy:
+        return config
+    return replace(config, sampling=replace(config.sampling, seed=(seed + j) % 2**64))
 
 
 def _cancel(state: ServerState, choices: Sequence[_Choice]) -> None:
@@ -179,8 +193,9 @@ async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest,
             choice.sent.extend(token_bytes(e.token))
         return out
 
-    if shape.kind == "chat":
-        yield shape.chunk("")
+    if shape.kind == "chat":  # each choice's opening chunk
+        for choice in choices:
+            yield shape.chunk("", index=choice.index)
     results: dict[int, GenerationResult] = {}
     while len(results) < len(choices):
         index, event = await bridge.get()

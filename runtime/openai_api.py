@@ -7,7 +7,7 @@ specedge's acceptance rate and tokens per round as the extra field `usage.speced
 error body `{"error": {"message", "type", "param", "code"}}`.
 
 Pure functions and frozen dataclasses only: no HTTP, no decoding. Fields that would change what
-a client gets back (`n` > 1, `tools`, `response_format`, penalties, ...) are refused
+a client gets back (`best_of`, `tools`, `response_format`, penalties, ...) are refused
 with a 400 naming the field; unknown fields that change nothing are ignored, as OpenAI does.
 `logprobs` (chat: with `top_logprobs` 0..20; completions: 0..5) returns the target's
 log-probability of every generated token (`runtime/logprobs`), in each API's own shape
@@ -93,6 +93,7 @@ class ParsedRequest:
         max_tokens_given: whether the request set `max_tokens` itself.
         stream, include_usage: server-sent events, and a final usage chunk.
         echo: the completion's text (and logprobs) start with the prompt's (completions only).
+        n: choices per prompt (a seeded request's choice j samples with seed + j).
     """
 
     kind: str
@@ -102,6 +103,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     echo: bool = False
+    n: int = 1
 
     @property
     def prompt(self) -> Prompt:
@@ -156,7 +158,7 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
 
 # Fields that would change what the client gets back, and the values that change nothing.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1),
+    "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "logit_bias": (None, {}),
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
@@ -218,6 +220,7 @@ def messages_field(value: Any) -> list[dict[str, str]]:
 
 
 MAX_PROMPTS = 256  # prompts in one completions request
+MAX_N = 16  # choices per prompt
 
 
 def _one_prompt(value: Any) -> str | list[int] | None:
@@ -360,8 +363,9 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
     if echo and kind == "chat":
         raise _bad("echo", "only the completions API (/v1/completions) takes echo",
                    code="unsupported_parameter")
+    n = _int(body, "n", 1, MAX_N) or 1
     return ParsedRequest(kind, prompts, config, max_tokens is not None, stream, include_usage,
-                         echo)
+                         echo, n)
 
 
 def finish_reason(stop_reason: str) -> str:

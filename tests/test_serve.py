@@ -301,6 +301,30 @@ def test_several_prompts_in_one_completions_request(served: Served) -> None:
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
 
 
+def test_n_choices(served: Served) -> None:
+    client, pair, model = served.client(), served.pair, served.model
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                           temperature=0.9, seed=5, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    for j, choice in enumerate(reply.choices):  # choice j samples with seed + j
+        want = solo(pair, "Write a haiku about the sea.", 16, temperature=0.9, seed=5 + j)
+        assert choice.message.content == want.text
+    assert len({c.message.content for c in reply.choices}) > 1
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=16,
+                                                temperature=0.9, seed=5, n=3, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in reply.choices]
+    both = client.completions.create(model=model, prompt=["Hi", "The quick brown fox"],
+                                     max_tokens=6, temperature=0, n=2)
+    texts = [c.text for c in both.choices]  # prompt by prompt, n each
+    assert texts == [solo(pair, p, 6, chat=False).text for p in ("Hi", "Hi",
+                                                                  "The quick brown fox",
+                                                                  "The quick brown fox")]
+
+
 def test_tokenizer_routes(served: Served) -> None:
     pair, tok = served.pair, served.pair.tokenizer
     messages = [{"role": "user", "content": "Hello there"}]
@@ -583,7 +607,8 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
         ("temperature wrong type", {**chat, "temperature": "hot"}, 400, "temperature"),
         ("stream wrong type", {**chat, "stream": "yes"}, 400, "stream"),
         ("stop wrong type", {**chat, "stop": 5}, 400, "stop"),
-        ("n=2", {**chat, "n": 2}, 400, "n"),
+        ("n=17", {**chat, "n": 17}, 400, "n"),
+        ("n=0", {**chat, "n": 0}, 400, "n"),
         ("top_logprobs without logprobs", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
         ("top_logprobs above 20", {**chat, "logprobs": True, "top_logprobs": 21}, 400,
          "top_logprobs"),
