@@ -180,7 +180,7 @@ class BatchDecoder(RowJoins):
                 emitted = row.sampler.verify_ids(mine, ids[i, :n + 1])
             else:
                 emitted = row.sampler.verify(mine, probs.get(row.index), mine_logits,
-                                             row.position)
+                                             row.position, row.generated)
             accepted = len(emitted) - 1
             outcomes.append((n, accepted))
             if self.plan.drafter != "hybrid" or row.index in model_rows or not n:

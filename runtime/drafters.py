@@ -88,7 +88,8 @@ class ModelDrafter:
         # Greedy without a confidence cut-off needs only the argmax: on a GPU the greedy head
         # takes it on the device (no vocabulary row crosses to the host), on the CPU it skips
         # the softmax that the confidence would cost.
-        argmax_only = sampler.params.greedy and self.p_min <= 0
+        argmax_only = sampler.params.greedy and self.p_min <= 0 and not sampler.params.penalized
+        history = tokens[len(tokens) - position:] if position else []  # the output so far
         for i in range(k):
             calls += 1
             block = np.asarray([pending], np.int64)
@@ -108,7 +109,8 @@ class ModelDrafter:
                 token, p, confidence = (pick if ids is None else int(ids[pick])), None, 1.0
             else:
                 token, p, confidence = sampler.draft_token(logits, position + i,
-                                                           self.model.vocab_ids)
+                                                           self.model.vocab_ids,
+                                                           history + drafts)
             if confidence < self.p_min:
                 break  # the draft doubts this token: verifying it is likely wasted
             if p is not None:

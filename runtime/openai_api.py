@@ -7,7 +7,7 @@ specedge's acceptance rate and tokens per round as the extra field `usage.speced
 error body `{"error": {"message", "type", "param", "code"}}`.
 
 Pure functions and frozen dataclasses only: no HTTP, no decoding. Fields that would change what
-a client gets back (`best_of`, `tools`, `response_format`, penalties, ...) are refused
+a client gets back (`best_of`, `tools`, `response_format`, `logit_bias`, ...) are refused
 with a 400 naming the field; unknown fields that change nothing are ignored, as OpenAI does.
 `logprobs` (chat: with `top_logprobs` 0..20; completions: 0..5) returns the target's
 log-probability of every generated token (`runtime/logprobs`), in each API's own shape
@@ -161,8 +161,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "logit_bias": (None, {}),
-    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "audio": (None,), "prediction": (None,),
+    "suffix": (None, ""), "audio": (None,), "prediction": (None,),
     "modalities": (None, ["text"]),
 }
 
@@ -267,7 +266,10 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
     # OpenAI's default temperature is 1 (sampling); 0 is greedy.
     return SamplingParams(temperature=1.0 if temperature is None else temperature,
                           top_k=top_k or 0, top_p=1.0 if top_p is None else top_p,
-                          min_p=min_p or 0.0, seed=_seed(body))
+                          min_p=min_p or 0.0, seed=_seed(body),
+                          presence_penalty=_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
+                          frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0)
+                          or 0.0)
 
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit

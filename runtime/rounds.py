@@ -28,7 +28,7 @@ from .acceptance import accept_greedy, accept_greedy_ids, accept_sample, sample_
 from .detokenize import IncrementalDetokenizer, StopStrings
 from .logprobs import TokenLogprob, token_logprobs
 from .policy import DecodePlan
-from .sampling import SamplingParams, warp_probs
+from .sampling import SamplingParams, penalize, warp_probs
 from .text import Tokenizer
 
 __all__ = ["RowOutput", "RowSampler", "fed_prefix", "needs_logits"]
@@ -74,15 +74,20 @@ class RowSampler:
         return int(np.argmax(probs / (e if ids is None else e[ids])))
 
     def draft_token(self, logits: np.ndarray, position: int, ids: np.ndarray | None = None,
-                    ) -> tuple[int, np.ndarray | None, float]:
+                    history: Sequence[int] = ()) -> tuple[int, np.ndarray | None, float]:
         """Pick the draft token for `position` from draft logits `[draft_vocab]`.
 
         `ids` maps a reduced draft head's logits to token ids (None: the full vocabulary).
+        `history`: the output before `position` (drafts included), for the penalties: the
+        draft proposes from penalized logits as the target will verify (acceptance only;
+        exactness holds either way).
         Returns the token; for random sampling, the full-vocabulary draft distribution it was
         drawn from (None otherwise: greedy and seeded verification need no draft
         probabilities); and the draft's confidence, its largest probability (what a
         confidence cut-off compares, as llama.cpp's `--draft-p-min`).
         """
+        if self.params.penalized:
+            logits = self._penalized_draft(logits, ids, history)
         if self.params.greedy:
             pick = int(np.argmax(logits))
             z = np.asarray(logits, np.float64) - float(logits[pick])
@@ -100,6 +105,16 @@ class RowSampler:
         full[ids] = p
         return int(ids[pick]), full, confidence
 
+    def _penalized_draft(self, logits: np.ndarray, ids: np.ndarray | None,
+                         history: Sequence[int]) -> np.ndarray:
+        """Draft logits `[draft_vocab]` with the penalties of `history` (`sampling.penalize`;
+        a reduced head's columns are the token ids `ids`)."""
+        if ids is None:
+            return penalize(logits[None], history, (), self.params)[0]
+        full = np.full(self.vocab_size, -np.inf)
+        full[ids] = logits
+        return penalize(full[None], history, (), self.params)[0][ids]
+
     def verify_ids(self, drafts: np.ndarray, target_ids: np.ndarray) -> np.ndarray:
         """Greedy verification from the target's argmax ids `[n + 1]` (a greedy row's logits
         need not reach the host); the same tokens as `verify` on the logits."""
@@ -107,13 +122,16 @@ class RowSampler:
         return accept_greedy_ids(drafts, target_ids)
 
     def verify(self, drafts: np.ndarray, draft_probs: np.ndarray | None, logits: np.ndarray,
-               position: int) -> np.ndarray:
+               position: int, history: Sequence[int] = ()) -> np.ndarray:
         """Verify `drafts` `[n]` against target logits `[n + 1, vocab]` (the first row predicts
         output position `position`); returns the accepted drafts and one more token `[a + 1]`.
 
         `draft_probs` `[n, vocab]` is needed for random sampling with a model draft; None means
-        deterministic proposals (n-gram), i.e. one-hot draft distributions.
+        deterministic proposals (n-gram), i.e. one-hot draft distributions. `history`: the
+        output's tokens before `position`, which the presence and frequency penalties count
+        (with the drafts before each row: `sampling.penalize`).
         """
+        logits = penalize(logits, history, drafts, self.params)
         if self.params.greedy:
             return accept_greedy(drafts, logits)
         target_probs = warp_probs(logits, self.params)  # [n + 1, vocab]
@@ -237,8 +255,9 @@ class RowOutput:
 
 def needs_logits(sampler: RowSampler, output: RowOutput) -> bool:
     """Whether a row's verification needs the target's logits on the host: sampled rows, and
-    greedy rows that keep log-probabilities (others take argmax ids, maybe from the device)."""
-    return not sampler.greedy or output.top_logprobs is not None
+    greedy rows that keep log-probabilities or penalize repeats (others take argmax ids, maybe
+    from the device)."""
+    return not sampler.greedy or output.top_logprobs is not None or sampler.params.penalized
 
 
 def fed_prefix(fed: list[int], tokens: Sequence[int], stable: int = 0) -> int:

@@ -28,7 +28,7 @@ IntArray = npt.NDArray[np.int64]
 _THRESHOLD_CANDIDATES = 4096
 _NUCLEUS_CANDIDATES = (1024, 8192)
 
-__all__ = ["SamplingParams", "warp_probs"]
+__all__ = ["SamplingParams", "penalize", "warp_probs"]
 
 
 def _is_int(value: object) -> bool:
@@ -53,6 +53,12 @@ class SamplingParams:
         min_p: Keep tokens whose probability is ``>= min_p * max probability``. In ``[0, 1)``;
             ``0`` turns it off.
         seed: Seed of the generator used for sampling, or ``None`` for a fresh one.
+        presence_penalty: Subtracted from the logit of every token the output holds already
+            (OpenAI's definition). In ``[-2, 2]``; ``0`` turns it off.
+        frequency_penalty: Subtracted from a token's logit once per time the output holds it.
+            In ``[-2, 2]``; ``0`` turns it off. Both apply before temperature, to greedy
+            decoding too, and to the target's distribution at each position from the output
+            before it (accepted drafts included), so speculation stays exact (`penalize`).
 
     Raises:
         InputError: If a field is out of range; the message names the field, the value found
@@ -64,6 +70,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -83,6 +91,16 @@ class SamplingParams:
         if s is not None and (not _is_int(s) or int(s) < 0):
             raise InputError(f"seed must be an integer >= 0 (or unset, for a random seed), "
                              f"got {s!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= float(v) <= 2.0:
+                raise InputError(f"{name} must be a number in [-2, 2] (0 turns it off), got "
+                                 f"{v!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """True when a presence or frequency penalty is set."""
+        return float(self.presence_penalty) != 0.0 or float(self.frequency_penalty) != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +110,46 @@ class SamplingParams:
     def make_rng(self) -> np.random.Generator:
         """A new generator seeded with ``seed`` (fresh OS entropy when ``seed`` is None)."""
         return np.random.default_rng(self.seed)
+
+
+# --------------------------------------------------------------------------------------------
+# Penalties
+
+
+def penalize(logits: npt.ArrayLike, history: npt.ArrayLike, drafts: npt.ArrayLike,
+             params: SamplingParams) -> FloatArray:
+    """Apply the presence and frequency penalties to a verification block's logits.
+
+    Row i of ``logits`` scores the output position after ``history`` and ``drafts[:i]``; its
+    penalties count the tokens of exactly that output (OpenAI's formula: ``logit[t] -=
+    frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``). Each row is then the
+    target's penalized logits at its position, whatever drafts came before it, which is what
+    keeps speculative output the target's (greedy: token for token).
+
+    Args:
+        logits: ``[n, vocab]`` the block's logits.
+        history: the output's tokens before the block (not the prompt's).
+        drafts: ``[n - 1]`` (or more: only the first ``n - 1`` are read) the block's drafts.
+        params: the penalties (no copy is made when both are 0).
+
+    Returns:
+        ``[n, vocab]`` float64 logits.
+    """
+    arr = np.asarray(logits)
+    if not params.penalized:
+        return arr  # type: ignore[return-value]
+    out = np.array(arr, dtype=np.float64)  # [n, vocab]
+    n, vocab = out.shape
+    before = np.asarray(history, np.int64)
+    context = np.concatenate([before, np.asarray(drafts, np.int64)[:max(0, n - 1)]])
+    ids, where = np.unique(context, return_inverse=True)  # the few tokens the output holds
+    counts = np.zeros((n, len(ids)), np.int64)
+    for i in range(n):  # row i sees the history and the first i drafts
+        np.add.at(counts[i], where[:len(before) + i], 1)
+    penalty = (float(params.frequency_penalty) * counts
+               + float(params.presence_penalty) * (counts > 0))
+    out[:, ids[ids < vocab]] -= penalty[:, ids < vocab]
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
                 logits = target.forward(target_cache, block)[0]  # [n + 1, vocab]
                 verify_s = time.perf_counter() - t1
                 emitted = sampler.verify(drafts, proposal.probs if proposal else None, logits,
-                                         position)
+                                         position, tokens[len(prompt):])
             # Commit: accepted drafts + one corrected/bonus token; roll caches back by length.
             tokens.extend(int(t) for t in emitted)
             target_cache.rollback(len(tokens) - 1)

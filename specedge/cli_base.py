@@ -356,6 +356,8 @@ class GenerationOptions:
     no_speculation: bool = False
     adaptive: bool | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def config(self, chat: bool) -> GenerationConfig:
         """The `GenerationConfig` (validated there: bad values raise InputError)."""
@@ -363,7 +365,9 @@ class GenerationOptions:
         from specedge.runtime.sampling import SamplingParams
 
         sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k,
-                                  top_p=self.top_p, min_p=self.min_p, seed=self.seed)
+                                  top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+                                  presence_penalty=self.presence_penalty,
+                                  frequency_penalty=self.frequency_penalty)
         return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=sampling,
                                 num_draft_tokens=self.num_draft_tokens,
                                 drafter="none" if self.no_speculation else self.drafter,
@@ -384,6 +388,10 @@ generation_options = _collect("generation", GenerationOptions, [
     click.option("--adaptive/--fixed-k", default=None,
                  help="Adapt K to measured acceptance and cost (default: the pair's)."),
     click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    click.option("--presence-penalty", default=0.0, show_default=True, type=float,
+                 help="Subtracted from the logit of each token the output holds (-2..2)."),
+    click.option("--frequency-penalty", default=0.0, show_default=True, type=float,
+                 help="Subtracted once per occurrence in the output (-2..2)."),
 ])
 
 

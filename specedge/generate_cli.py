@@ -61,12 +61,13 @@ def _stream(loaded: Pair, prompt: Any, config: GenerationConfig) -> GenerationRe
 
 
 _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
-             "seed", "stop", "chat"}
+             "seed", "stop", "chat", "presence_penalty", "frequency_penalty"}
 _ROW_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "max_new_tokens": ((int,), "an integer"), "top_k": ((int,), "an integer"),
     "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
     "min_p": ((int, float), "a number"), "seed": ((int, type(None)), "an integer or null"),
     "chat": ((bool,), "true or false"),
+    "presence_penalty": ((int, float), "a number"), "frequency_penalty": ((int, float), "a number"),
 }
 
 
@@ -151,7 +152,9 @@ def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
             sampling = SamplingParams(
                 temperature=row.get("temperature", s.temperature),
                 top_k=row.get("top_k", s.top_k), top_p=row.get("top_p", s.top_p),
-                min_p=row.get("min_p", s.min_p), seed=row.get("seed", s.seed))
+                min_p=row.get("min_p", s.min_p), seed=row.get("seed", s.seed),
+                presence_penalty=row.get("presence_penalty", s.presence_penalty),
+                frequency_penalty=row.get("frequency_penalty", s.frequency_penalty))
             rows.configs.append(dataclasses.replace(
                 base, sampling=sampling,
                 stop=tuple(_row_stop(row) or ()) if "stop" in row else base.stop,
@@ -220,7 +223,8 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
 @click.option("--batch", "batch_file", type=click.Path(path_type=Path), default=None,
               help="JSONL file, one row per line: {\"prompt\": ...} or {\"messages\": [...]}, "
                    "with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, "
-                   "stop, chat. Generates all rows as one batch (needs a --graph concat pair).")
+                   "presence_penalty, frequency_penalty, stop, chat. Generates all rows as one "
+                   "batch (needs a --graph concat pair).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text + stats).")
 @click.option("--logprobs", "top_logprobs", default=None, type=click.IntRange(0, MAX_TOP_LOGPROBS),

@@ -95,6 +95,19 @@ def test_generate_json_logprobs(runner: CliRunner, tiny_pair_dir: Path, concat_d
                        "--logprobs prints with --json")
 
 
+def test_generate_penalties(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    from specedge.runtime.sampling import SamplingParams
+
+    out = generate_json(runner, tiny_pair_dir, "a b a b a b", "--max-new-tokens", "12",
+                        "--presence-penalty", "0.5", "--frequency-penalty", "1")
+    want = Pair.load(tiny_pair_dir).generate("a b a b a b", GenerationConfig(
+        max_new_tokens=12, drafter="none",
+        sampling=SamplingParams(presence_penalty=0.5, frequency_penalty=1.0)))
+    assert out["tokens"] == want.tokens
+    assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "Hi",
+                              "--frequency-penalty", "3"), "frequency_penalty must be")
+
+
 def test_generate_plain_text_and_stats(runner: CliRunner, tiny_pair_dir: Path) -> None:
     result = invoke(runner, "generate", tiny_pair_dir, "The quick", "--max-new-tokens", "8",
                     "--stats")

@@ -325,6 +325,19 @@ def test_n_choices(served: Served) -> None:
                                                                   "The quick brown fox")]
 
 
+def test_penalties_through_the_openai_client(served: Served) -> None:
+    client, pair, model = served.client(), served.pair, served.model
+    sampling = SamplingParams(presence_penalty=0.5, frequency_penalty=1.0)
+    want = pair.generate("a b a b a b", GenerationConfig(max_new_tokens=24, sampling=sampling,
+                                                         drafter="none"))
+    reply = client.completions.create(model=model, prompt="a b a b a b", max_tokens=24,
+                                      temperature=0, presence_penalty=0.5,
+                                      frequency_penalty=1.0)
+    assert reply.choices[0].text == want.text
+    assert reply.usage is not None and reply.usage.model_extra["specedge"]["proposed"] > 0
+    assert want.text != solo(pair, "a b a b a b", 24, chat=False).text
+
+
 def test_tokenizer_routes(served: Served) -> None:
     pair, tok = served.pair, served.pair.tokenizer
     messages = [{"role": "user", "content": "Hello there"}]
@@ -607,6 +620,10 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
         ("temperature wrong type", {**chat, "temperature": "hot"}, 400, "temperature"),
         ("stream wrong type", {**chat, "stream": "yes"}, 400, "stream"),
         ("stop wrong type", {**chat, "stop": 5}, 400, "stop"),
+        ("presence_penalty above 2", {**chat, "presence_penalty": 2.5}, 400,
+         "presence_penalty"),
+        ("frequency_penalty wrong type", {**chat, "frequency_penalty": "x"}, 400,
+         "frequency_penalty"),
         ("n=17", {**chat, "n": 17}, 400, "n"),
         ("n=0", {**chat, "n": 0}, 400, "n"),
         ("top_logprobs without logprobs", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
