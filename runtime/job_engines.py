@@ -2,7 +2,7 @@
 
 - `BatchEngine`: jobs as rows of one `serving.ContinuousBatch` (concat-form pairs), joining and
   leaving between rounds, with finished conversations prefilled ahead into free slots;
-- `SerialEngine`: jobs as batch-1 `Pair.stream` generations, first in first out (gqa-shared
+- `SerialEngine`: jobs as batch-1 `Pair.open` generations, first in first out (gqa-shared
   pairs), with the last conversation prefilled ahead into the pair's prefix cache.
 
 Both expose the same few calls (`admit`, `drop`, `round`, `fail_all`, `idle_work`, `warm_up`),
@@ -103,7 +103,8 @@ class BatchEngine:
 
 
 class SerialEngine:
-    """Jobs as batch-1 `Pair.stream` generations, first in first out (gqa-shared pairs)."""
+    """Jobs as batch-1 `Pair.open` generations (their output read between rounds, as
+    `Pair.stream` does), first in first out (gqa-shared pairs)."""
 
     def __init__(self, pair: Pair) -> None:
         self.pair = pair

@@ -6,7 +6,7 @@ The HTTP layer submits jobs and reads their events; it never decodes. One worker
   (up to `max_batch` rows, one target call per round for all of them) and leave on completion,
   stop, cancellation or deadline, which frees their slot before the next round;
 - for gqa-shared pairs (batch 1 only, see README "Graph forms"), a FIFO of batch-1
-  `Pair.stream` generations, one at a time.
+  `Pair.open` generations, one at a time.
 
 Before it takes requests, `warm_up` decodes a few tokens of a short prompt through the same
 engine (the server's lifespan does it before uvicorn listens): sessions, buffers and adaptive
