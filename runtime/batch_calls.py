@@ -49,8 +49,8 @@ def draft_rows(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks:
         # Greedy rows without a confidence cut-off need only the argmax of their last fed
         # position (taken on the device when the backend does): the same token draft_token
         # picks, whose confidence nothing compares.
-        greedy = np.asarray([r.sampler.greedy and p_min <= 0 and not r.sampler.params.penalized
-                             for r in feed_rows], bool)
+        greedy = np.asarray([r.sampler.greedy and p_min <= 0
+                             and not r.sampler.adjusts_logits for r in feed_rows], bool)
         t0 = time.perf_counter()
         if greedy.any():
             ids, logits = ragged_verify(model, cache, feed_rows, blocks, lens, greedy,

@@ -166,7 +166,8 @@ class RowJoins:
         if self.d_cache is not None:  # a batched draft step may feed the slot a dummy there
             self.d_cache.lengths[slot] = draft_reused
         row = BatchRow(slot, len(request.prompt), list(request.prompt),
-                       RowSampler(request.params, self.target.spec.vocab_size), request.output,
+                       RowSampler(request.params, self.target.spec.vocab_size,
+                                  request.prompt), request.output,
                        GenerationStats(prompt_tokens=len(request.prompt), cached_tokens=reused))
         draft_from = int(self.d_cache.lengths[slot]) if self.d_cache is not None else 0
         self.joining.append(Joining(row, draft_from))

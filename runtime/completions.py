@@ -87,8 +87,14 @@ def _fit_all(state: ServerState, parsed: ParsedRequest) -> list[GenerationConfig
     """Each prompt's config, its completion fitted into the context (off the event loop).
 
     Raises:
-        APIError: 400 for a prompt the chat template refuses, or one too long for the context.
+        APIError: 400 for a prompt the chat template refuses, one too long for the context, or
+            a logit bias on a token id outside the vocabulary.
     """
+    vocab = state.pair.target.spec.vocab_size
+    outside = [t for t, _ in parsed.config.sampling.logit_bias if t >= vocab]
+    if outside:
+        raise APIError(400, f"logit_bias names token id {outside[0]}, but this model's "
+                            f"vocabulary has {vocab} ids (0..{vocab - 1})", param="logit_bias")
     param = "messages" if parsed.kind == "chat" else "prompt"
     configs = []
     for prompt in parsed.prompts:

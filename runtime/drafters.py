@@ -88,7 +88,7 @@ class ModelDrafter:
         # Greedy without a confidence cut-off needs only the argmax: on a GPU the greedy head
         # takes it on the device (no vocabulary row crosses to the host), on the CPU it skips
         # the softmax that the confidence would cost.
-        argmax_only = sampler.params.greedy and self.p_min <= 0 and not sampler.params.penalized
+        argmax_only = sampler.params.greedy and self.p_min <= 0 and not sampler.adjusts_logits
         history = tokens[len(tokens) - position:] if position else []  # the output so far
         for i in range(k):
             calls += 1

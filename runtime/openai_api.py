@@ -7,12 +7,14 @@ specedge's acceptance rate and tokens per round as the extra field `usage.speced
 error body `{"error": {"message", "type", "param", "code"}}`.
 
 Pure functions and frozen dataclasses only: no HTTP, no decoding. Fields that would change what
-a client gets back (`best_of`, `tools`, `response_format`, `logit_bias`, ...) are refused
+a client gets back (`best_of`, `tools`, `response_format`, ...) are refused
 with a 400 naming the field; unknown fields that change nothing are ignored, as OpenAI does.
 `logprobs` (chat: with `top_logprobs` 0..20; completions: 0..5) returns the target's
 log-probability of every generated token (`runtime/logprobs`), in each API's own shape
 (`runtime/openai_logprobs`); completions also take `echo` (the prompt's text, and its tokens'
-logprobs, first).
+logprobs, first). `logit_bias`, the presence and frequency penalties and vLLM's
+`repetition_penalty` adjust the target's logits exactly as target-only decoding would
+(`runtime/penalties`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .generation import prompt_ids
 from .logprobs import MAX_TOP_LOGPROBS
 from .pair import GenerationConfig, GenerationResult, Prompt
 from .policy import DRAFTER_CHOICES
-from .sampling import SamplingParams
+from .sampling import SamplingParams, logit_bias_from_json
 
 __all__ = ["APIError", "ParsedRequest", "RequestDefaults", "ResponseShape", "error_body",
            "finish_reason", "messages_field", "parse_request", "sse", "usage"]
@@ -160,7 +162,7 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "logit_bias": (None, {}),
+    "function_call": (None, "none"),
     "suffix": (None, ""), "audio": (None,), "prediction": (None,),
     "modalities": (None, ["text"]),
 }
@@ -269,7 +271,17 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
                           min_p=min_p or 0.0, seed=_seed(body),
                           presence_penalty=_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
                           frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0)
-                          or 0.0)
+                          or 0.0,
+                          repetition_penalty=_number(body, "repetition_penalty", 0.0, 10.0,
+                                                     open_lo=True) or 1.0,
+                          logit_bias=_logit_bias(body.get("logit_bias")))
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    try:
+        return logit_bias_from_json(value)
+    except InputError as exc:
+        raise _bad("logit_bias", str(exc)) from None
 
 
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit

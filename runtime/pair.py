@@ -268,7 +268,7 @@ class Pair:
         else:
             cache = self.target.new_cache(1, max_len)
         stats.cached_tokens = reused
-        sampler = RowSampler(config.sampling, self.target.spec.vocab_size)
+        sampler = RowSampler(config.sampling, self.target.spec.vocab_size, ids)
         key = (1, plan.drafter, plan.k)
         tuner = self.tuners.take(key) if drafter is not None and plan.adaptive else None
         rounds = decode(self.target, cache, drafter, ids, plan, sampler, output, stats,

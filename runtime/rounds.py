@@ -26,9 +26,11 @@ import numpy as np
 
 from .acceptance import accept_greedy, accept_greedy_ids, accept_sample, sample_token
 from .detokenize import IncrementalDetokenizer, StopStrings
+from .errors import InputError
 from .logprobs import TokenLogprob, token_logprobs
+from .penalties import penalize, prompt_tokens
 from .policy import DecodePlan
-from .sampling import SamplingParams, penalize, warp_probs
+from .sampling import SamplingParams, warp_probs
 from .text import Tokenizer
 
 __all__ = ["RowOutput", "RowSampler", "fed_prefix", "needs_logits"]
@@ -40,10 +42,20 @@ class RowSampler:
     Args:
         params: the row's sampling parameters.
         vocab_size: the target's vocabulary (the noise covers every token id).
+        prompt: the prompt's tokens (the repetition penalty counts them).
+
+    Raises:
+        InputError: if `params.logit_bias` names a token id outside the vocabulary.
     """
 
-    def __init__(self, params: SamplingParams, vocab_size: int) -> None:
+    def __init__(self, params: SamplingParams, vocab_size: int,
+                 prompt: Sequence[int] = ()) -> None:
         self.params, self.vocab_size = params, vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab_size]
+        if outside:
+            raise InputError(f"logit_bias names token id {outside[0]}, but the vocabulary has "
+                             f"{vocab_size} ids (0..{vocab_size - 1})")
+        self.prompt = prompt_tokens(prompt, params)
         self.seeded = not params.greedy and params.seed is not None
         # Unseeded sampling draws from fresh entropy; seeded sampling needs no generator.
         self.rng = params.make_rng() if not params.greedy and not self.seeded else None
@@ -52,6 +64,12 @@ class RowSampler:
     @property
     def greedy(self) -> bool:
         return self.params.greedy
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the row's logits depend on its context (bias, penalties): no argmax
+        shortcut then."""
+        return self.params.adjusts_logits
 
     def noise(self, position: int) -> np.ndarray:
         """Exp(1) noise `[vocab]` of output position `position` (seeded rows only)."""
@@ -79,14 +97,14 @@ class RowSampler:
 
         `ids` maps a reduced draft head's logits to token ids (None: the full vocabulary).
         `history`: the output before `position` (drafts included), for the penalties: the
-        draft proposes from penalized logits as the target will verify (acceptance only;
-        exactness holds either way).
+        draft proposes from logits biased and penalized as the target will verify them
+        (acceptance only; exactness holds either way).
         Returns the token; for random sampling, the full-vocabulary draft distribution it was
         drawn from (None otherwise: greedy and seeded verification need no draft
         probabilities); and the draft's confidence, its largest probability (what a
         confidence cut-off compares, as llama.cpp's `--draft-p-min`).
         """
-        if self.params.penalized:
+        if self.params.adjusts_logits:
             logits = self._penalized_draft(logits, ids, history)
         if self.params.greedy:
             pick = int(np.argmax(logits))
@@ -107,13 +125,13 @@ class RowSampler:
 
     def _penalized_draft(self, logits: np.ndarray, ids: np.ndarray | None,
                          history: Sequence[int]) -> np.ndarray:
-        """Draft logits `[draft_vocab]` with the penalties of `history` (`sampling.penalize`;
+        """Draft logits `[draft_vocab]` with the penalties of `history` (`penalties.penalize`;
         a reduced head's columns are the token ids `ids`)."""
         if ids is None:
-            return penalize(logits[None], history, (), self.params)[0]
+            return penalize(logits[None], history, (), self.params, self.prompt)[0]
         full = np.full(self.vocab_size, -np.inf)
         full[ids] = logits
-        return penalize(full[None], history, (), self.params)[0][ids]
+        return penalize(full[None], history, (), self.params, self.prompt)[0][ids]
 
     def verify_ids(self, drafts: np.ndarray, target_ids: np.ndarray) -> np.ndarray:
         """Greedy verification from the target's argmax ids `[n + 1]` (a greedy row's logits
@@ -128,10 +146,10 @@ class RowSampler:
 
         `draft_probs` `[n, vocab]` is needed for random sampling with a model draft; None means
         deterministic proposals (n-gram), i.e. one-hot draft distributions. `history`: the
-        output's tokens before `position`, which the presence and frequency penalties count
-        (with the drafts before each row: `sampling.penalize`).
+        output's tokens before `position`, which the penalties count (with the drafts before
+        each row: `penalties.penalize`).
         """
-        logits = penalize(logits, history, drafts, self.params)
+        logits = penalize(logits, history, drafts, self.params, self.prompt)
         if self.params.greedy:
             return accept_greedy(drafts, logits)
         target_probs = warp_probs(logits, self.params)  # [n + 1, vocab]
@@ -255,9 +273,9 @@ class RowOutput:
 
 def needs_logits(sampler: RowSampler, output: RowOutput) -> bool:
     """Whether a row's verification needs the target's logits on the host: sampled rows, and
-    greedy rows that keep log-probabilities or penalize repeats (others take argmax ids, maybe
-    from the device)."""
-    return not sampler.greedy or output.top_logprobs is not None or sampler.params.penalized
+    greedy rows that keep log-probabilities or adjust their logits (others take argmax ids,
+    maybe from the device)."""
+    return not sampler.greedy or output.top_logprobs is not None or sampler.adjusts_logits
 
 
 def fed_prefix(fed: list[int], tokens: Sequence[int], stable: int = 0) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,9 @@ IntArray = npt.NDArray[np.int64]
 _THRESHOLD_CANDIDATES = 4096
 _NUCLEUS_CANDIDATES = (1024, 8192)
 
-__all__ = ["SamplingParams", "penalize", "warp_probs"]
+__all__ = ["MAX_LOGIT_BIAS", "SamplingParams", "logit_bias_from_json", "warp_probs"]
+
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 
 def _is_int(value: object) -> bool:
@@ -56,9 +59,18 @@ class SamplingParams:
         presence_penalty: Subtracted from the logit of every token the output holds already
             (OpenAI's definition). In ``[-2, 2]``; ``0`` turns it off.
         frequency_penalty: Subtracted from a token's logit once per time the output holds it.
-            In ``[-2, 2]``; ``0`` turns it off. Both apply before temperature, to greedy
-            decoding too, and to the target's distribution at each position from the output
-            before it (accepted drafts included), so speculation stays exact (`penalize`).
+            In ``[-2, 2]``; ``0`` turns it off.
+        repetition_penalty: The logit of every token the prompt or the output holds already is
+            divided by it when positive and multiplied by it when negative (the CTRL paper's
+            penalty, as transformers, vLLM and llama.cpp apply it). In ``(0, 10]``; ``1`` turns
+            it off.
+        logit_bias: ``(token id, bias)`` pairs (a dict is accepted too), each bias in
+            ``[-100, 100]`` added to that token's logit (OpenAI's ``logit_bias``: -100 bans a
+            token, 100 all but forces it); at most `MAX_LOGIT_BIAS` ids. Stored sorted by id.
+            The bias, the repetition penalty, then the presence and frequency penalties apply in
+            that order, before temperature, to greedy decoding too, and to the target's
+            distribution at each position from the output before it (accepted drafts included),
+            so speculation stays exact (`penalties.penalize`).
 
     Raises:
         InputError: If a field is out of range; the message names the field, the value found
@@ -72,6 +84,8 @@ class SamplingParams:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -96,11 +110,18 @@ class SamplingParams:
             if not _is_real(v) or not -2.0 <= float(v) <= 2.0:
                 raise InputError(f"{name} must be a number in [-2, 2] (0 turns it off), got "
                                  f"{v!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not 0.0 < float(r) <= 10.0:
+            raise InputError(f"repetition_penalty must be a number in (0, 10] (1 turns it off), "
+                             f"got {r!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
-    def penalized(self) -> bool:
-        """True when a presence or frequency penalty is set."""
-        return float(self.presence_penalty) != 0.0 or float(self.frequency_penalty) != 0.0
+    def adjusts_logits(self) -> bool:
+        """True when a logit bias or a presence, frequency or repetition penalty is set: the
+        logits then depend on the context (`penalties.penalize`), so no argmax shortcut."""
+        return (float(self.presence_penalty) != 0.0 or float(self.frequency_penalty) != 0.0
+                or float(self.repetition_penalty) != 1.0 or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -112,44 +133,43 @@ class SamplingParams:
         return np.random.default_rng(self.seed)
 
 
-# --------------------------------------------------------------------------------------------
-# Penalties
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted ``(token id, bias)`` pairs, checked."""
+    items = list(value.items()) if isinstance(value, Mapping) else value
+    if not isinstance(items, list | tuple) or len(items) > MAX_LOGIT_BIAS:
+        raise InputError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases, "
+                         f"got {value!r:.80}")
+    pairs: dict[int, float] = {}
+    for item in items:
+        ok = isinstance(item, list | tuple) and len(item) == 2 and _is_int(item[0]) \
+            and int(item[0]) >= 0 and _is_real(item[1]) and -100.0 <= float(item[1]) <= 100.0
+        if not ok or int(item[0]) in pairs:
+            raise InputError(f"logit_bias entries must be distinct token ids >= 0, each with a "
+                             f"bias in [-100, 100]; got {item!r:.60}")
+        pairs[int(item[0])] = float(item[1])
+    return tuple(sorted(pairs.items()))
 
 
-def penalize(logits: npt.ArrayLike, history: npt.ArrayLike, drafts: npt.ArrayLike,
-             params: SamplingParams) -> FloatArray:
-    """Apply the presence and frequency penalties to a verification block's logits.
+def logit_bias_from_json(value: object) -> tuple[tuple[int, float], ...]:
+    """A JSON ``logit_bias`` (OpenAI's shape: token ids as strings, as JSON keys are, to
+    numbers) as `SamplingParams.logit_bias` pairs; None gives none.
 
-    Row i of ``logits`` scores the output position after ``history`` and ``drafts[:i]``; its
-    penalties count the tokens of exactly that output (OpenAI's formula: ``logit[t] -=
-    frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``). Each row is then the
-    target's penalized logits at its position, whatever drafts came before it, which is what
-    keeps speculative output the target's (greedy: token for token).
-
-    Args:
-        logits: ``[n, vocab]`` the block's logits.
-        history: the output's tokens before the block (not the prompt's).
-        drafts: ``[n - 1]`` (or more: only the first ``n - 1`` are read) the block's drafts.
-        params: the penalties (no copy is made when both are 0).
-
-    Returns:
-        ``[n, vocab]`` float64 logits.
+    Raises:
+        InputError: naming what is wrong (not an object, a key that is not a token id, a bias
+            out of range, too many ids).
     """
-    arr = np.asarray(logits)
-    if not params.penalized:
-        return arr  # type: ignore[return-value]
-    out = np.array(arr, dtype=np.float64)  # [n, vocab]
-    n, vocab = out.shape
-    before = np.asarray(history, np.int64)
-    context = np.concatenate([before, np.asarray(drafts, np.int64)[:max(0, n - 1)]])
-    ids, where = np.unique(context, return_inverse=True)  # the few tokens the output holds
-    counts = np.zeros((n, len(ids)), np.int64)
-    for i in range(n):  # row i sees the history and the first i drafts
-        np.add.at(counts[i], where[:len(before) + i], 1)
-    penalty = (float(params.frequency_penalty) * counts
-               + float(params.presence_penalty) * (counts > 0))
-    out[:, ids[ids < vocab]] -= penalty[:, ids < vocab]
-    return out
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise InputError(f"logit_bias must be an object mapping token ids (as strings) to "
+                         f"numbers in [-100, 100], got {value!r:.60}")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12):
+            raise InputError(f"logit_bias keys must be token ids (strings of digits), got "
+                             f"{key!r:.40}")
+        pairs.append((int(key), bias))
+    return _bias_pairs(pairs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -358,20 +358,37 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[str, ...] = ()  # "TOKEN_ID=BIAS" each
 
     def config(self, chat: bool) -> GenerationConfig:
         """The `GenerationConfig` (validated there: bad values raise InputError)."""
         from specedge.runtime.pair import GenerationConfig
-        from specedge.runtime.sampling import SamplingParams
+        from specedge.runtime.sampling import SamplingParams, logit_bias_from_json
 
         sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k,
                                   top_p=self.top_p, min_p=self.min_p, seed=self.seed,
                                   presence_penalty=self.presence_penalty,
-                                  frequency_penalty=self.frequency_penalty)
+                                  frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty,
+                                  logit_bias=logit_bias_from_json(_bias_option(self.logit_bias)))
         return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=sampling,
                                 num_draft_tokens=self.num_draft_tokens,
                                 drafter="none" if self.no_speculation else self.drafter,
                                 adaptive=self.adaptive, stop=self.stop, chat=chat)
+
+
+def _bias_option(items: tuple[str, ...]) -> dict[str, float]:
+    """`--logit-bias TOKEN_ID=BIAS` values as a JSON-shaped `logit_bias` (checked there)."""
+    out: dict[str, float] = {}
+    for item in items:
+        key, _, bias = item.partition("=")
+        try:
+            out[key.strip()] = float(bias)
+        except ValueError:
+            raise InputError(f"--logit-bias takes TOKEN_ID=BIAS (e.g. 2=-100 bans token 2), got "
+                             f"{item!r}") from None
+    return out
 
 
 generation_options = _collect("generation", GenerationOptions, [
@@ -392,6 +409,11 @@ generation_options = _collect("generation", GenerationOptions, [
                  help="Subtracted from the logit of each token the output holds (-2..2)."),
     click.option("--frequency-penalty", default=0.0, show_default=True, type=float,
                  help="Subtracted once per occurrence in the output (-2..2)."),
+    click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+                 help="Divides positive (multiplies negative) logits of tokens in the prompt "
+                      "or output (0..10, 1 = off)."),
+    click.option("--logit-bias", multiple=True, metavar="TOKEN_ID=BIAS",
+                 help="Added to that token's logit (-100..100; repeatable)."),
 ])
 
 

@@ -61,13 +61,16 @@ def _stream(loaded: Pair, prompt: Any, config: GenerationConfig) -> GenerationRe
 
 
 _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
-             "seed", "stop", "chat", "presence_penalty", "frequency_penalty"}
+             "seed", "stop", "chat", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "logit_bias"}
 _ROW_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "max_new_tokens": ((int,), "an integer"), "top_k": ((int,), "an integer"),
     "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
     "min_p": ((int, float), "a number"), "seed": ((int, type(None)), "an integer or null"),
     "chat": ((bool,), "true or false"),
     "presence_penalty": ((int, float), "a number"), "frequency_penalty": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"),
+    "logit_bias": ((dict, type(None)), "an object of token ids (as strings) to biases"),
 }
 
 
@@ -128,7 +131,7 @@ def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
         InputError: naming `file:line` for a malformed row.
     """
     from specedge.runtime.prompts import read_text_file
-    from specedge.runtime.sampling import SamplingParams
+    from specedge.runtime.sampling import SamplingParams, logit_bias_from_json
 
     lines = read_text_file(path, "the batch file", "batch file").splitlines()
     rows = BatchRows([], [], [])
@@ -154,7 +157,10 @@ def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
                 top_k=row.get("top_k", s.top_k), top_p=row.get("top_p", s.top_p),
                 min_p=row.get("min_p", s.min_p), seed=row.get("seed", s.seed),
                 presence_penalty=row.get("presence_penalty", s.presence_penalty),
-                frequency_penalty=row.get("frequency_penalty", s.frequency_penalty))
+                frequency_penalty=row.get("frequency_penalty", s.frequency_penalty),
+                repetition_penalty=row.get("repetition_penalty", s.repetition_penalty),
+                logit_bias=(logit_bias_from_json(row["logit_bias"]) if "logit_bias" in row
+                            else s.logit_bias))
             rows.configs.append(dataclasses.replace(
                 base, sampling=sampling,
                 stop=tuple(_row_stop(row) or ()) if "stop" in row else base.stop,
@@ -223,7 +229,8 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
 @click.option("--batch", "batch_file", type=click.Path(path_type=Path), default=None,
               help="JSONL file, one row per line: {\"prompt\": ...} or {\"messages\": [...]}, "
                    "with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, "
-                   "presence_penalty, frequency_penalty, stop, chat. Generates all rows as one "
+                   "presence_penalty, frequency_penalty, repetition_penalty, logit_bias, stop, "
+                   "chat. Generates all rows as one "
                    "batch (needs a --graph concat pair).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text + stats).")

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.sampling import SamplingParams, logit_bias_from_json
 
 from .test_cli import assert_clean_error, invoke
 
@@ -20,7 +21,8 @@ def runner() -> CliRunner:
 
 def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path) -> None:
     document = "def add(a, b): return a + b " * 12  # rows 1 and 3 share it: computed once
-    rows = [{"prompt": "Hi there", "max_new_tokens": 5},
+    rows = [{"prompt": "Hi there", "max_new_tokens": 5, "repetition_penalty": 1.4,
+             "logit_bias": {"7": -100, "12": 1.5}},
             {"prompt": document + "# what does add do?", "max_new_tokens": 17},
             {"messages": [{"role": "user", "content": "Hello"}], "max_new_tokens": 9},
             {"prompt": document + "# write a test", "max_new_tokens": 7}]
@@ -37,8 +39,10 @@ def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path
     assert summary["prompt_tokens"] == sum(line["stats"]["prompt_tokens"] for line in lines[:-1])
     pair = Pair.load(concat_dir)
     for row, got in zip(rows, lines, strict=False):
+        sampling = SamplingParams(repetition_penalty=row.get("repetition_penalty", 1.0),
+                                  logit_bias=logit_bias_from_json(row.get("logit_bias")))
         cfg = GenerationConfig(max_new_tokens=row["max_new_tokens"], drafter="none",
-                               chat="messages" in row)
+                               chat="messages" in row, sampling=sampling)
         want = pair.generate(row.get("prompt") or row["messages"], cfg)
         assert got["tokens"] == want.tokens and got["text"] == want.text
 
@@ -48,6 +52,8 @@ def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path
     ('{"max_new_tokens": 3}', "exactly one of"),
     ("not json", "not a JSON object"),
     ('{"prompt": "a", "stop": 3}', "a string or a list of strings"),
+    ('{"prompt": "a", "logit_bias": {"x": 1}}', "logit_bias keys must be token ids"),
+    ('{"prompt": "a", "logit_bias": [1]}', "an object of token ids"),
     ("", "no rows"),
 ])
 def test_bad_batch_files(runner: CliRunner, concat_dir: Path, tmp_path: Path, content: str,

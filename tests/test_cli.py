@@ -108,6 +108,25 @@ def test_generate_penalties(runner: CliRunner, tiny_pair_dir: Path) -> None:
                               "--frequency-penalty", "3"), "frequency_penalty must be")
 
 
+def test_generate_repetition_penalty_and_logit_bias(runner: CliRunner,
+                                                    tiny_pair_dir: Path) -> None:
+    from specedge.runtime.sampling import SamplingParams
+
+    out = generate_json(runner, tiny_pair_dir, "a b a b a b", "--max-new-tokens", "12",
+                        "--repetition-penalty", "1.5", "--logit-bias", "7=-100",
+                        "--logit-bias", "9=2.5")
+    want = Pair.load(tiny_pair_dir).generate("a b a b a b", GenerationConfig(
+        max_new_tokens=12, drafter="none",
+        sampling=SamplingParams(repetition_penalty=1.5, logit_bias={7: -100, 9: 2.5})))
+    assert out["tokens"] == want.tokens and 7 not in want.tokens
+    for bad, message in ((("--logit-bias", "7"), "--logit-bias takes TOKEN_ID=BIAS"),
+                         (("--logit-bias", "x=1"), "logit_bias keys must be token ids"),
+                         (("--logit-bias", "7=500"), "logit_bias entries must be"),
+                         (("--logit-bias", "99999=1"), "logit_bias names token id 99999"),
+                         (("--repetition-penalty", "0"), "repetition_penalty must be")):
+        assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "Hi", *bad), message)
+
+
 def test_generate_plain_text_and_stats(runner: CliRunner, tiny_pair_dir: Path) -> None:
     result = invoke(runner, "generate", tiny_pair_dir, "The quick", "--max-new-tokens", "8",
                     "--stats")

@@ -338,6 +338,21 @@ def test_penalties_through_the_openai_client(served: Served) -> None:
     assert want.text != solo(pair, "a b a b a b", 24, chat=False).text
 
 
+def test_logit_bias_and_repetition_penalty_through_the_openai_client(served: Served) -> None:
+    client, pair, model = served.client(), served.pair, served.model
+    plain = solo(pair, "a b a b a b", 16, chat=False)
+    banned = plain.tokens[0]
+    sampling = SamplingParams(repetition_penalty=1.5, logit_bias={banned: -100})
+    want = pair.generate("a b a b a b", GenerationConfig(max_new_tokens=16, sampling=sampling,
+                                                         drafter="none"))
+    reply = client.completions.create(model=model, prompt="a b a b a b", max_tokens=16,
+                                      temperature=0, logit_bias={str(banned): -100},
+                                      extra_body={"repetition_penalty": 1.5})
+    assert reply.choices[0].text == want.text != plain.text
+    assert banned not in want.tokens
+    assert reply.usage is not None and reply.usage.model_extra["specedge"]["proposed"] > 0
+
+
 def test_tokenizer_routes(served: Served) -> None:
     pair, tok = served.pair, served.pair.tokenizer
     messages = [{"role": "user", "content": "Hello there"}]
@@ -624,6 +639,11 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
          "presence_penalty"),
         ("frequency_penalty wrong type", {**chat, "frequency_penalty": "x"}, 400,
          "frequency_penalty"),
+        ("repetition_penalty 0", {**chat, "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ("logit_bias key not a token id", {**chat, "logit_bias": {"hi": 1}}, 400, "logit_bias"),
+        ("logit_bias above 100", {**chat, "logit_bias": {"3": 101}}, 400, "logit_bias"),
+        ("logit_bias outside the vocabulary", {**chat, "logit_bias": {"100000000": 1}}, 400,
+         "logit_bias"),
         ("n=17", {**chat, "n": 17}, 400, "n"),
         ("n=0", {**chat, "n": 0}, 400, "n"),
         ("top_logprobs without logprobs", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
