@@ -16,6 +16,7 @@ import numpy as np
 from .adaptive import AdaptiveK
 from .backend import OrtModel
 from .errors import InputError
+from .grammar import GrammarState
 from .kvcache import KVCache
 from .policy import DecodePlan
 from .prefix_cache import kept_prefix, prefill_chunks
@@ -32,6 +33,7 @@ class RowRequest:
     prompt: list[int]
     output: RowOutput
     params: SamplingParams = field(default_factory=SamplingParams)
+    grammar: GrammarState | None = None  # structured output: this row's matcher
 
 
 @dataclass
@@ -167,7 +169,7 @@ class RowJoins:
             self.d_cache.lengths[slot] = draft_reused
         row = BatchRow(slot, len(request.prompt), list(request.prompt),
                        RowSampler(request.params, self.target.spec.vocab_size,
-                                  request.prompt), request.output,
+                                  request.prompt, request.grammar), request.output,
                        GenerationStats(prompt_tokens=len(request.prompt), cached_tokens=reused))
         draft_from = int(self.d_cache.lengths[slot]) if self.d_cache is not None else 0
         self.joining.append(Joining(row, draft_from))

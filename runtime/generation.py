@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from .batch import BatchStats
 from .detokenize import StopStrings
 from .errors import InputError
+from .grammar import Grammar
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .policy import DRAFTER_CHOICES
 from .rounds import RowOutput
@@ -49,6 +50,9 @@ class GenerationConfig:
             (the target's own distribution, before sampling's warping: `runtime/logprobs`)
             with its n most likely alternatives, in `GenerationResult.logprobs`. A greedy row
             then takes its argmax from the float logits it reports (as `--head whole`).
+        grammar: structured output (`runtime/grammar`): a JSON schema, any JSON object, a
+            regex, a Lark or GBNF grammar, or a choice of strings that the output must match;
+            None: free text.
     """
 
     max_new_tokens: int = 128
@@ -60,6 +64,7 @@ class GenerationConfig:
     chat: bool = False
     draft_p_min: float | None = None
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or \
@@ -94,6 +99,8 @@ class GenerationConfig:
                               not 0 <= n <= MAX_TOP_LOGPROBS):
             raise InputError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] "
                              f"(the alternatives returned per token), got {n!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InputError(f"grammar must be a Grammar or None, got {self.grammar!r:.60}")
 
 
 @dataclass(frozen=True)

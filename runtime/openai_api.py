@@ -7,14 +7,15 @@ specedge's acceptance rate and tokens per round as the extra field `usage.speced
 error body `{"error": {"message", "type", "param", "code"}}`.
 
 Pure functions and frozen dataclasses only: no HTTP, no decoding. Fields that would change what
-a client gets back (`best_of`, `tools`, `response_format`, ...) are refused
+a client gets back (`best_of`, `tools`, `suffix`, ...) are refused
 with a 400 naming the field; unknown fields that change nothing are ignored, as OpenAI does.
 `logprobs` (chat: with `top_logprobs` 0..20; completions: 0..5) returns the target's
 log-probability of every generated token (`runtime/logprobs`), in each API's own shape
 (`runtime/openai_logprobs`); completions also take `echo` (the prompt's text, and its tokens'
 logprobs, first). `logit_bias`, the presence and frequency penalties and vLLM's
 `repetition_penalty` adjust the target's logits exactly as target-only decoding would
-(`runtime/penalties`).
+(`runtime/penalties`); `response_format` (JSON object or schema) and vLLM's
+`structured_outputs` constrain the output to a grammar (`runtime/structured_api`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .logprobs import MAX_TOP_LOGPROBS
 from .pair import GenerationConfig, GenerationResult, Prompt
 from .policy import DRAFTER_CHOICES
 from .sampling import SamplingParams, logit_bias_from_json
+from .structured_api import StructuredFieldError, grammar_field
 
 __all__ = ["APIError", "ParsedRequest", "RequestDefaults", "ResponseShape", "error_body",
            "finish_reason", "messages_field", "parse_request", "sse", "usage"]
@@ -174,10 +176,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         if not any(value == h and type(value) is type(h) for h in harmless):
             raise _bad(name, f"{_short(value)} is not supported by this server",
                        code="unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _bad("response_format", "only {'type': 'text'} is supported",
-                   code="unsupported_parameter")
 
 
 def _content(value: Any, where: str) -> str:
@@ -367,10 +365,14 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
     max_tokens = _max_tokens(body, defaults)
     drafter, k, adaptive = _plan_fields(body, defaults)
     try:
+        grammar = grammar_field(body)
+    except StructuredFieldError as exc:
+        raise _bad(exc.param, str(exc)) from None
+    try:
         config = GenerationConfig(max_new_tokens=max_tokens or defaults.max_tokens_limit,
                                   sampling=_sampling(body), num_draft_tokens=k,
                                   drafter=drafter, adaptive=adaptive, stop=_stop(body.get("stop")),
-                                  logprobs=_logprobs(kind, body))
+                                  logprobs=_logprobs(kind, body), grammar=grammar)
     except InputError as exc:  # ranges the helpers above leave to the runtime's own checks
         raise APIError(400, str(exc)) from None
     echo = _bool(body, "echo")

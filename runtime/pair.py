@@ -37,6 +37,7 @@ from .generation import (
     prompt_ids,
     row_configs,
 )
+from .grammar import GrammarCompiler, GrammarState
 from .hugepages import HugePageLoad, HugePageReport
 from .loading import ThreadPlan, load_model, plan_threads, session_plan
 from .logprobs import TokenLogprob
@@ -81,6 +82,8 @@ class Pair:
         self.prefixes = PrefixCache(prefix_cache)
         # Adaptive-K state learned by generations, per (batch size, drafter, k max).
         self.tuners = TunerStore()
+        self.grammars = GrammarCompiler(tokenizer.to_json, target.spec.vocab_size,
+                                        manifest.eos_token_ids)
         # Why a listed TensorRT engine was not used, per model (empty when none was skipped).
         self.engine_notes: dict[str, str] = {}
         # What loading did about huge pages for the weights (see `hugepages`).
@@ -239,6 +242,10 @@ class Pair:
                             drafter=config.drafter, k=config.num_draft_tokens,
                             adaptive=config.adaptive, draft_p_min=config.draft_p_min)
 
+    def grammar_state(self, config: GenerationConfig) -> GrammarState | None:
+        """A fresh matcher of `config.grammar` for one generation (None: free text)."""
+        return None if config.grammar is None else self.grammars.state(config.grammar)
+
     def new_output(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
                    text: bool = True) -> RowOutput:
         """The output tracker of one generation: budget, eos, and (with text) stop strings."""
@@ -268,7 +275,8 @@ class Pair:
         else:
             cache = self.target.new_cache(1, max_len)
         stats.cached_tokens = reused
-        sampler = RowSampler(config.sampling, self.target.spec.vocab_size, ids)
+        sampler = RowSampler(config.sampling, self.target.spec.vocab_size, ids,
+                             self.grammar_state(config))
         key = (1, plan.drafter, plan.k)
         tuner = self.tuners.take(key) if drafter is not None and plan.adaptive else None
         rounds = decode(self.target, cache, drafter, ids, plan, sampler, output, stats,
@@ -445,7 +453,7 @@ class Pair:
         max_len = plan.cache_len(max(len(i) + c.max_new_tokens
                                      for i, c in zip(ids_list, configs, strict=True)), 0)
         requests = [RowRequest(prompt=ids, output=self.new_output(ids, c, text=text),
-                               params=c.sampling)
+                               params=c.sampling, grammar=self.grammar_state(c))
                     for ids, c in zip(ids_list, configs, strict=True)]
         key = (len(ids_list), plan.drafter, plan.k)
         # A batch prefills the draft only if it starts drafting: weighed with the drafts.

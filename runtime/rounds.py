@@ -27,6 +27,7 @@ import numpy as np
 from .acceptance import accept_greedy, accept_greedy_ids, accept_sample, sample_token
 from .detokenize import IncrementalDetokenizer, StopStrings
 from .errors import InputError
+from .grammar import GrammarState
 from .logprobs import TokenLogprob, token_logprobs
 from .penalties import penalize, prompt_tokens
 from .policy import DecodePlan
@@ -43,14 +44,15 @@ class RowSampler:
         params: the row's sampling parameters.
         vocab_size: the target's vocabulary (the noise covers every token id).
         prompt: the prompt's tokens (the repetition penalty counts them).
+        grammar: the row's structured-output matcher (`runtime/grammar`), or None.
 
     Raises:
         InputError: if `params.logit_bias` names a token id outside the vocabulary.
     """
 
     def __init__(self, params: SamplingParams, vocab_size: int,
-                 prompt: Sequence[int] = ()) -> None:
-        self.params, self.vocab_size = params, vocab_size
+                 prompt: Sequence[int] = (), grammar: GrammarState | None = None) -> None:
+        self.params, self.vocab_size, self.grammar = params, vocab_size, grammar
         outside = [t for t, _ in params.logit_bias if t >= vocab_size]
         if outside:
             raise InputError(f"logit_bias names token id {outside[0]}, but the vocabulary has "
@@ -67,9 +69,9 @@ class RowSampler:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the row's logits depend on its context (bias, penalties): no argmax
-        shortcut then."""
-        return self.params.adjusts_logits
+        """Whether the row's logits depend on its context (bias, penalties, a grammar): no
+        argmax shortcut then."""
+        return self.params.adjusts_logits or self.grammar is not None
 
     def noise(self, position: int) -> np.ndarray:
         """Exp(1) noise `[vocab]` of output position `position` (seeded rows only)."""
@@ -102,10 +104,15 @@ class RowSampler:
         Returns the token; for random sampling, the full-vocabulary draft distribution it was
         drawn from (None otherwise: greedy and seeded verification need no draft
         probabilities); and the draft's confidence, its largest probability (what a
-        confidence cut-off compares, as llama.cpp's `--draft-p-min`).
+        confidence cut-off compares, as llama.cpp's `--draft-p-min`); -1 when the row's
+        grammar allows none of the draft's tokens (drafting stops).
         """
         if self.params.adjusts_logits:
             logits = self._penalized_draft(logits, ids, history)
+        if self.grammar is not None:
+            logits = self.grammar.constrain_draft(logits, ids, history)
+            if not np.isfinite(logits).any():
+                return -1, None, -1.0  # the draft has no token the grammar allows: stop
         if self.params.greedy:
             pick = int(np.argmax(logits))
             z = np.asarray(logits, np.float64) - float(logits[pick])
@@ -150,6 +157,8 @@ class RowSampler:
         each row: `penalties.penalize`).
         """
         logits = penalize(logits, history, drafts, self.params, self.prompt)
+        if self.grammar is not None:
+            logits = self.grammar.constrain(logits, history, drafts)
         if self.params.greedy:
             return accept_greedy(drafts, logits)
         target_probs = warp_probs(logits, self.params)  # [n + 1, vocab]

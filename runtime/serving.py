@@ -90,7 +90,7 @@ class ContinuousBatch:
             raise InputError(f"the prompt has {len(ids)} tokens but the server's context is "
                              f"{self.max_len}; shorten it")
         request = RowRequest(prompt=ids, output=self.pair.new_output(ids, config),
-                             params=config.sampling)
+                             params=config.sampling, grammar=self.pair.grammar_state(config))
         pending = _Pending(self.next_id, request)
         self.next_id += 1
         self.queue.append(pending)

@@ -367,6 +367,10 @@ class Tokenizer:
             values.append(value)
         return str(self._backend.decode(values, skip_special_tokens=skip_special_tokens))
 
+    def to_json(self) -> str:
+        """The tokenizer serialized as `tokenizers` writes it (what llguidance loads)."""
+        return str(self._backend.to_str())
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token `token_id` stands for, read from the vocabulary (a token may hold
         part of a UTF-8 character; see `runtime/token_bytes`)."""

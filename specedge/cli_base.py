@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
+    from specedge.runtime.grammar import Grammar
     from specedge.runtime.pair import GenerationConfig, Pair
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -360,6 +361,9 @@ class GenerationOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[str, ...] = ()  # "TOKEN_ID=BIAS" each
+    json_schema: str | None = None  # inline JSON or a file's path
+    regex: str | None = None
+    grammar: str | None = None  # Lark or GBNF, inline or a file's path
 
     def config(self, chat: bool) -> GenerationConfig:
         """The `GenerationConfig` (validated there: bad values raise InputError)."""
@@ -375,7 +379,33 @@ class GenerationOptions:
         return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=sampling,
                                 num_draft_tokens=self.num_draft_tokens,
                                 drafter="none" if self.no_speculation else self.drafter,
-                                adaptive=self.adaptive, stop=self.stop, chat=chat)
+                                adaptive=self.adaptive, stop=self.stop, chat=chat,
+                                grammar=self._grammar())
+
+    def _grammar(self) -> Grammar | None:
+        from specedge.runtime.grammar import Grammar
+
+        given = [(kind, value) for kind, value in (("json_schema", self.json_schema),
+                                                   ("regex", self.regex),
+                                                   ("grammar", self.grammar))
+                 if value is not None]
+        if len(given) > 1:
+            raise InputError("give one of --json-schema, --regex and --grammar")
+        if not given:
+            return None
+        kind, value = given[0]
+        return Grammar(kind, value if kind == "regex" else _text_or_file(value))
+
+
+def _text_or_file(value: str) -> str:
+    """An option's text, or the text of the file it names."""
+    path = Path(value)
+    try:
+        if len(value) < 4096 and path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read {value}: {exc}") from None
+    return value
 
 
 def _bias_option(items: tuple[str, ...]) -> dict[str, float]:
@@ -414,6 +444,12 @@ generation_options = _collect("generation", GenerationOptions, [
                       "or output (0..10, 1 = off)."),
     click.option("--logit-bias", multiple=True, metavar="TOKEN_ID=BIAS",
                  help="Added to that token's logit (-100..100; repeatable)."),
+    click.option("--json-schema", default=None, metavar="SCHEMA|FILE",
+                 help="Structured output: JSON matching this schema (inline or a file)."),
+    click.option("--regex", default=None, metavar="RE",
+                 help="Structured output: text matching this regular expression."),
+    click.option("--grammar", default=None, metavar="GRAMMAR|FILE",
+                 help="Structured output: a Lark or llama.cpp GBNF grammar (inline or a file)."),
 ])
 
 

@@ -1,0 +1,212 @@
+"""Structured output (`runtime/grammar`): a grammar masks each position's tokens, exactly under
+speculation.
+
+Target-only constrained decoding is checked against a plain loop that recomputes the whole
+sequence every step and masks it with a fresh llguidance matcher; speculative decoding (model,
+n-gram and hybrid drafts; greedy and seeded sampling) against target-only, in batch 1, batches
+and continuous batching; the masks of a verification block against fresh matchers, drafts that
+break the grammar included; and the outputs against the grammar itself (`re.fullmatch`, JSON
+with its schema's keys and types).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import llguidance
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specedge.runtime.errors import InputError
+from specedge.runtime.grammar import Grammar, GrammarState
+from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.sampling import SamplingParams
+from specedge.runtime.serving import ContinuousBatch
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
+          "properties": {"ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "tag": {"enum": ["red", "green", "blue"]}}}
+GRAMMARS = {
+    "json_schema": Grammar.json_schema(SCHEMA),
+    "regex": Grammar("regex", r"(yes|no): [a-e]{2,9}\."),
+    "gbnf": Grammar("grammar", 'root ::= "x=" [0-9] [0-9]? ";"'),
+    "lark": Grammar("grammar", 'start: "a" /[b-d]{1,12}/ "e"'),
+    "choice": Grammar.choice(["alpha", "beta", "gamma delta"]),
+    "json_object": Grammar("json_object"),
+}
+PROMPTS = ["Hello there", "The quick brown fox", "1, 2, 3,"]
+SEEDED = SamplingParams(temperature=0.9, seed=5)
+
+
+@pytest.fixture(scope="module")
+def pair(fixtures_dir: Path) -> Pair:
+    return Pair.load(fixtures_dir / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def concat_pair(fixtures_dir: Path) -> Pair:
+    return Pair.load(fixtures_dir / "tiny-llama-concat")
+
+
+def _check_output(name: str, text: str) -> None:
+    """A finished output matches its grammar."""
+    if name == "json_schema":
+        value = json.loads(text)
+        assert set(value) == {"ok", "n", "tag"} and isinstance(value["ok"], bool)
+        assert 0 <= value["n"] <= 999 and value["tag"] in ("red", "green", "blue")
+    elif name == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif name == "regex":
+        assert re.fullmatch(r"(yes|no): [a-e]{2,9}\.", text)
+    elif name == "gbnf":
+        assert re.fullmatch(r"x=[0-9][0-9]?;", text)
+    elif name == "lark":
+        assert re.fullmatch(r"a[b-d]{1,12}e", text)
+    else:
+        assert text in ("alpha", "beta", "gamma delta")
+
+
+def _fresh_mask(pair: Pair, grammar: Grammar, tokens: list[int]) -> np.ndarray:
+    """The allowed tokens after `tokens`, from a new matcher (no rollback involved)."""
+    state = pair.grammars.state(grammar)
+    return state.masks(tokens, [], 1)[0]
+
+
+def _plain_loop(pair: Pair, prompt: str, grammar: Grammar, n: int) -> list[int]:
+    ids = pair.encode_prompt(prompt)
+    out: list[int] = []
+    eos = set(pair.manifest.eos_token_ids)
+    for _ in range(n):
+        cache = pair.target.new_cache(1, len(ids) + len(out) + 1)
+        row = pair.target.forward(cache, np.asarray([ids + out], np.int64))[0, -1]
+        out.append(int(np.argmax(np.where(_fresh_mask(pair, grammar, out), row, -np.inf))))
+        if out[-1] in eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_target_only_equals_the_plain_loop_and_matches(pair: Pair, name: str) -> None:
+    grammar = GRAMMARS[name]
+    for prompt in PROMPTS[:2]:
+        result = pair.generate(prompt, GenerationConfig(max_new_tokens=48, drafter="none",
+                                                        grammar=grammar))
+        assert result.tokens == _plain_loop(pair, prompt, grammar, 48)
+        assert result.stop_reason == "eos", (name, result.text)
+        _check_output(name, result.text)
+
+
+@pytest.mark.parametrize("fixture", ["tiny-llama", "tiny-llama-concat"])
+def test_speculative_equals_target_only(fixtures_dir: Path, fixture: str) -> None:
+    pair = Pair.load(fixtures_dir / fixture)
+    proposed = 0
+    for name, grammar in GRAMMARS.items():
+        for sampling in (SamplingParams(), SEEDED):
+            for prompt in PROMPTS:
+                alone = pair.generate(prompt, GenerationConfig(
+                    max_new_tokens=48, sampling=sampling, drafter="none", grammar=grammar))
+                for drafter in ("model", "ngram", "hybrid"):
+                    spec = pair.generate(prompt, GenerationConfig(
+                        max_new_tokens=48, sampling=sampling, drafter=drafter,
+                        num_draft_tokens=4, adaptive=drafter == "hybrid", grammar=grammar))
+                    assert spec.tokens == alone.tokens, (name, sampling, prompt, drafter)
+                    proposed += spec.stats.proposed
+                if alone.stop_reason == "eos":
+                    _check_output(name, alone.text)
+    assert proposed > 0
+
+
+def test_batches_and_continuous_batching(concat_pair: Pair) -> None:
+    names = ["json_schema", "regex", "choice", "gbnf"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names) + 1)]
+    configs = [GenerationConfig(max_new_tokens=40, grammar=GRAMMARS[n], drafter="model",
+                                num_draft_tokens=3, adaptive=False,
+                                sampling=SEEDED if i % 2 else SamplingParams())
+               for i, n in enumerate(names)]
+    configs.append(GenerationConfig(max_new_tokens=40, drafter="model", num_draft_tokens=3,
+                                    adaptive=False))  # free text in the same batch
+    solo = [concat_pair.generate(p, c) for p, c in zip(prompts, configs, strict=True)]
+    batch = concat_pair.generate_batch(prompts, configs).results
+    server = ContinuousBatch(concat_pair, capacity=2, drafter="model", num_draft_tokens=3,
+                             adaptive=False)
+    ids = [server.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
+    served = server.run()
+    for one, row, rid in zip(solo, batch, ids, strict=True):
+        assert row.tokens == one.tokens == served[rid].tokens
+    for name, one in zip(names, solo, strict=False):
+        if one.stop_reason == "eos":
+            _check_output(name, one.text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_block_masks_equal_fresh_matchers(pair: Pair, data: st.DataObject) -> None:
+    """Row i of a block's masks is a fresh matcher's mask after the history and the first i
+    drafts, while the drafts follow the grammar; after one breaks it, rows repeat the last."""
+    grammar = GRAMMARS["regex"]
+    state = pair.grammars.state(grammar)
+    vocab = pair.target.spec.vocab_size
+    history: list[int] = []
+    for _ in range(data.draw(st.integers(1, 4))):  # several rounds on one state
+        allowed = np.flatnonzero(_fresh_mask(pair, grammar, history))
+        drafts = []
+        for _ in range(data.draw(st.integers(0, 4))):
+            legal = np.flatnonzero(_fresh_mask(pair, grammar, history + drafts))
+            if data.draw(st.booleans()) or not len(legal):
+                drafts.append(data.draw(st.integers(0, vocab - 1)))  # maybe invalid
+            else:
+                drafts.append(int(data.draw(st.sampled_from(list(legal)))))
+        masks = state.masks(history, drafts, len(drafts) + 1)
+        valid = 0
+        for i in range(len(drafts) + 1):
+            if i == valid:
+                want = _fresh_mask(pair, grammar, history + drafts[:i])
+                np.testing.assert_array_equal(masks[i], want)
+                if i < len(drafts) and want[drafts[i]]:
+                    valid += 1
+            else:
+                np.testing.assert_array_equal(masks[i], masks[i - 1])
+        if not len(allowed) or allowed.tolist() == list(pair.manifest.eos_token_ids):
+            break
+        history.append(int(data.draw(st.sampled_from(list(allowed)))))
+
+
+def test_a_dead_end_allows_eos_only(pair: Pair) -> None:
+    state = pair.grammars.state(Grammar.choice(["ab"]))
+    done = state.masks(pair.tokenizer.encode("ab"), [], 1)[0]
+    assert np.flatnonzero(done).tolist() == list(pair.manifest.eos_token_ids)
+
+
+@pytest.mark.parametrize("kind, source, message", [
+    ("xml", "<a/>", "grammar kind must be one of"),
+    ("regex", "", "a regex grammar needs its text"),
+    ("regex", "[a-", "the regex does not compile: .*unclosed character class"),
+    ("json_schema", "{", "the json_schema does not compile"),
+    ("json_schema", '{"type": "nothing"}', "the json_schema does not compile"),
+    ("grammar", 'root ::= ("a"', "the grammar does not compile"),
+    ("choice", '"a"', "a choice is a JSON list of non-empty strings"),
+    ("choice", "[]", "a choice is a JSON list"),
+])
+def test_bad_grammars_are_refused_in_one_line(kind: str, source: str, message: str) -> None:
+    with pytest.raises(InputError, match=message) as err:
+        Grammar(kind, source)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400
+
+
+def test_states_follow_rollbacks_without_errors(pair: Pair) -> None:
+    """A state asked about a sequence, then a shorter or a different one, stays usable (the
+    matcher rolls back instead of entering llguidance's error state)."""
+    state = pair.grammars.state(GRAMMARS["regex"])
+    yes = pair.tokenizer.encode("yes: ab")
+    state.masks(yes, [], 1)
+    state.masks(yes[:2], [], 1)
+    no = pair.tokenizer.encode("no: c")
+    np.testing.assert_array_equal(state.masks(no, [], 1)[0],
+                                  _fresh_mask(pair, GRAMMARS["regex"], no))
+    assert isinstance(state, GrammarState)
+    assert llguidance.LLMatcher.validate_grammar(GRAMMARS["regex"].compiled()) == ""
