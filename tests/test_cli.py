@@ -108,6 +108,33 @@ def test_generate_penalties(runner: CliRunner, tiny_pair_dir: Path) -> None:
                               "--frequency-penalty", "3"), "frequency_penalty must be")
 
 
+def test_generate_structured_output(runner: CliRunner, tiny_pair_dir: Path,
+                                    tmp_path: Path) -> None:
+    from specedge.runtime.grammar import Grammar
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    pair = Pair.load(tiny_pair_dir)
+    for option, value, grammar in (
+            ("--json-schema", str(schema_file), Grammar.json_schema(schema)),
+            ("--regex", "[a-c]{3}-[0-9]{2}", Grammar("regex", "[a-c]{3}-[0-9]{2}")),
+            ("--grammar", 'root ::= "v" [0-9]', Grammar("grammar", 'root ::= "v" [0-9]'))):
+        out = generate_json(runner, tiny_pair_dir, "Hi", "--max-new-tokens", "24", option,
+                            value)
+        want = pair.generate("Hi", GenerationConfig(max_new_tokens=24, drafter="none",
+                                                    grammar=grammar))
+        assert out["tokens"] == want.tokens and want.stop_reason == "eos"
+    assert json.loads(generate_json(runner, tiny_pair_dir, "Hi", "--json-schema",
+                                    str(schema_file))["text"]).keys() == {"ok"}
+    for bad, message in ((("--regex", "a", "--grammar", "root ::= \"a\""),
+                          "give one of --json-schema, --regex and --grammar"),
+                         (("--regex", "[a-"), "the regex does not compile"),
+                         (("--json-schema", "{not json"), "the json_schema does not compile")):
+        assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "Hi", *bad), message)
+
+
 def test_generate_repetition_penalty_and_logit_bias(runner: CliRunner,
                                                     tiny_pair_dir: Path) -> None:
     from specedge.runtime.sampling import SamplingParams

@@ -75,3 +75,27 @@ def test_subset_draft_sampling_keeps_target_distribution(subset_pair: Pair) -> N
         firsts.append(out[0])
         seconds.append(out[1])
     assert gof(firsts, first) > 1e-3 and gof(seconds, second) > 1e-3
+
+
+def test_subset_draft_with_a_grammar_is_exact(subset_pair: Pair, tiny_pair: Pair) -> None:
+    """Structured output through a reduced head: its columns are masked by their token ids, and
+    where the grammar allows none of them (`[~^]` is outside the 120 kept tokens) the draft
+    stops proposing instead of failing."""
+    from specedge.runtime.grammar import Grammar
+
+    assert subset_pair.draft is not None and subset_pair.draft.vocab_ids is not None
+    kept = set(subset_pair.draft.vocab_ids.tolist())
+    assert not {tiny_pair.tokenizer.encode(c)[0] for c in "~^"} & kept
+    proposed = {}
+    for grammar in (Grammar("regex", r"[a-z ]{4,20}\."), Grammar("regex", "[~^]{3}"),
+                    Grammar.json_schema({"type": "object", "required": ["a"],
+                                         "properties": {"a": {"type": "integer"}}})):
+        for prompt in ("The quick brown", "def add(a, b):"):
+            config = GenerationConfig(max_new_tokens=30, grammar=grammar, num_draft_tokens=3,
+                                      adaptive=False, drafter="model")
+            base = tiny_pair.generate(prompt, replace(config, drafter="none"))
+            spec = subset_pair.generate(prompt, config)
+            assert spec.tokens == base.tokens, (grammar, prompt)
+            proposed[grammar.source] = proposed.get(grammar.source, 0) + spec.stats.proposed
+    # `[~^]{3}`: nothing proposed but the eos once the three characters are out (kept).
+    assert proposed["[~^]{3}"] <= 2 and proposed[r"[a-z ]{4,20}\."] > 0

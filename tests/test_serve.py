@@ -31,6 +31,7 @@ import uvicorn
 
 from specedge.runtime import server_http as server_http_module
 from specedge.runtime.errors import InputError
+from specedge.runtime.grammar import Grammar
 from specedge.runtime.openai_api import RequestDefaults, finish_reason, parse_request
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
@@ -353,6 +354,36 @@ def test_logit_bias_and_repetition_penalty_through_the_openai_client(served: Ser
     assert reply.usage is not None and reply.usage.model_extra["specedge"]["proposed"] > 0
 
 
+def test_structured_output_through_the_openai_client(served: Served) -> None:
+    client, pair, model = served.client(), served.pair, served.model
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+              "properties": {"ok": {"type": "boolean"},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    messages = [{"role": "user", "content": "Answer in JSON"}]
+    want = pair.generate(messages, GenerationConfig(max_new_tokens=40, drafter="none",
+                                                    grammar=Grammar.json_schema(schema)))
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=40, temperature=0, stream=True,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": schema, "strict": True}}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text and set(json.loads(text)) == {"ok", "n"}
+    regex = client.completions.create(model=model, prompt="Hi", max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": "[a-c]{4}!"}})
+    assert re.fullmatch("[a-c]{4}!", regex.choices[0].text)
+    assert regex.choices[0].finish_reason == "stop"
+    choice = client.completions.create(model=model, prompt="Hi", max_tokens=20, temperature=0,
+                                       extra_body={"guided_choice": ["north", "south"]})
+    assert choice.choices[0].text in ("north", "south")
+    anything = client.chat.completions.create(model=model, messages=messages, max_tokens=30,
+                                              temperature=0,
+                                              response_format={"type": "json_object"})
+    content = anything.choices[0].message.content
+    assert content is not None and anything.choices[0].finish_reason in ("stop", "length")
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+
+
 def test_tokenizer_routes(served: Served) -> None:
     pair, tok = served.pair, served.pair.tokenizer
     messages = [{"role": "user", "content": "Hello there"}]
@@ -659,8 +690,20 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
         ("token id outside the vocabulary", {"model": model, "prompt": [10**7]}, 400, "prompt"),
         ("tools", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
          "tools"),
-        ("response_format", {**chat, "response_format": {"type": "json_object"}}, 400,
+        ("response_format xml", {**chat, "response_format": {"type": "xml"}}, 400,
          "response_format"),
+        ("json_schema without a schema", {**chat, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+        ("a schema that does not compile", {**chat, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no"}}}},
+         400, "response_format"),
+        ("a regex that does not compile", {**chat, "structured_outputs": {"regex": "[a-"}},
+         400, "structured_outputs"),
+        ("two structured_outputs keys", {**chat, "structured_outputs": {
+            "regex": "a", "choice": ["b"]}}, 400, "structured_outputs"),
+        ("response_format and guided_regex", {**chat, "response_format": {
+            "type": "json_object"}, "guided_regex": "a+"}, 400, "guided_regex"),
+        ("guided_choice empty", {**chat, "guided_choice": []}, 400, "guided_choice"),
         ("negative max_tokens", {**chat, "max_tokens": -1}, 400, "max_tokens"),
         ("huge max_tokens", {**chat, "max_tokens": 10**12}, 400, "max_tokens"),
         ("zero max_completion_tokens", {**chat, "max_completion_tokens": 0}, 400,

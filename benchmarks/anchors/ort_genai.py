@@ -217,8 +217,11 @@ def load(folder: Path) -> tuple[Any, dict[str, Any]]:
 
 
 def run_one(model: Any, config: dict[str, Any], prompt: list[int], max_new_tokens: int, *,
-            num_draft_tokens: int | None, sample: dict[str, Any] | None = None) -> GenaiRun:
-    """One greedy (or sampled, `sample` = search options) generation; see `run_genai`."""
+            num_draft_tokens: int | None, sample: dict[str, Any] | None = None,
+            guidance: tuple[str, str] | None = None) -> GenaiRun:
+    """One greedy (or sampled, `sample` = search options) generation; see `run_genai`.
+    `guidance`: structured output, ``(type, data)`` for ``GeneratorParams.set_guidance``
+    ("json_schema", "regex" or "lark_grammar")."""
     import onnxruntime_genai as og
 
     has_draft = "draft" in config["model"]
@@ -227,6 +230,8 @@ def run_one(model: Any, config: dict[str, Any], prompt: list[int], max_new_token
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt) + max_new_tokens, batch_size=1,
                               **(sample or {"do_sample": False}))
+    if guidance is not None:
+        params.set_guidance(*guidance)
     if num_draft_tokens is not None:
         params.set_speculative_options(max_draft_tokens=int(num_draft_tokens))
     generator = og.Generator(model, params)
