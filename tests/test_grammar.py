@@ -25,7 +25,8 @@ from specedge.runtime.errors import InputError
 from specedge.runtime.grammar import Grammar, GrammarState
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
-from specedge.runtime.serving import ContinuousBatch
+
+from .test_penalties import rows_three_ways
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
           "properties": {"ok": {"type": "boolean"},
@@ -130,14 +131,7 @@ def test_batches_and_continuous_batching(concat_pair: Pair) -> None:
                for i, n in enumerate(names)]
     configs.append(GenerationConfig(max_new_tokens=40, drafter="model", num_draft_tokens=3,
                                     adaptive=False))  # free text in the same batch
-    solo = [concat_pair.generate(p, c) for p, c in zip(prompts, configs, strict=True)]
-    batch = concat_pair.generate_batch(prompts, configs).results
-    server = ContinuousBatch(concat_pair, capacity=2, drafter="model", num_draft_tokens=3,
-                             adaptive=False)
-    ids = [server.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
-    served = server.run()
-    for one, row, rid in zip(solo, batch, ids, strict=True):
-        assert row.tokens == one.tokens == served[rid].tokens
+    solo = rows_three_ways(concat_pair, prompts, configs)
     for name, one in zip(names, solo, strict=False):
         if one.stop_reason == "eos":
             _check_output(name, one.text)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from specedge.runtime.errors import InputError
-from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
 from specedge.runtime.penalties import penalize
 from specedge.runtime.sampling import MAX_LOGIT_BIAS, SamplingParams, logit_bias_from_json
 from specedge.runtime.serving import ContinuousBatch
@@ -188,12 +188,20 @@ def test_batches_and_continuous_batching_penalize_per_row(concat_pair: Pair) -> 
     configs = [GenerationConfig(max_new_tokens=24, sampling=s, drafter="model",
                                 num_draft_tokens=3, adaptive=False)
                for s in (GREEDY, SamplingParams(), SEEDED, REPEAT, REPEAT_SEEDED, GREEDY)]
-    prompts = PROMPTS + PROMPTS[:2]
-    solo = [concat_pair.generate(p, c) for p, c in zip(prompts, configs, strict=True)]
-    batch = concat_pair.generate_batch(prompts, configs).results
-    server = ContinuousBatch(concat_pair, capacity=2, drafter="model", num_draft_tokens=3,
+    rows_three_ways(concat_pair, PROMPTS + PROMPTS[:2], configs)
+
+
+def rows_three_ways(pair: Pair, prompts: list[str],
+                    configs: list[GenerationConfig]) -> list[GenerationResult]:
+    """Each row decoded alone, in one batch, and through a continuous batch of two slots (the
+    configs draft with the model, K=3, fixed); checks the three agree token for token and
+    returns the rows decoded alone."""
+    solo = [pair.generate(p, c) for p, c in zip(prompts, configs, strict=True)]
+    batch = pair.generate_batch(prompts, configs).results
+    server = ContinuousBatch(pair, capacity=2, drafter="model", num_draft_tokens=3,
                              adaptive=False)
     ids = [server.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
     served = server.run()
     for one, row, rid in zip(solo, batch, ids, strict=True):
         assert row.tokens == one.tokens == served[rid].tokens
+    return solo
