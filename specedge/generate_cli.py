@@ -62,7 +62,7 @@ def _stream(loaded: Pair, prompt: Any, config: GenerationConfig) -> GenerationRe
 
 _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
              "seed", "stop", "chat", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logit_bias"}
+             "repetition_penalty", "logit_bias", "response_format", "structured_outputs"}
 _ROW_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "max_new_tokens": ((int,), "an integer"), "top_k": ((int,), "an integer"),
     "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
@@ -132,6 +132,7 @@ def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
     """
     from specedge.runtime.prompts import read_text_file
     from specedge.runtime.sampling import SamplingParams, logit_bias_from_json
+    from specedge.runtime.structured_api import StructuredFieldError, grammar_field
 
     lines = read_text_file(path, "the batch file", "batch file").splitlines()
     rows = BatchRows([], [], [])
@@ -165,7 +166,11 @@ def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
                 base, sampling=sampling,
                 stop=tuple(_row_stop(row) or ()) if "stop" in row else base.stop,
                 max_new_tokens=row.get("max_new_tokens", base.max_new_tokens),
-                chat=row.get("chat", base.chat or "messages" in row)))
+                chat=row.get("chat", base.chat or "messages" in row),
+                grammar=(grammar_field(row) if {"response_format", "structured_outputs"} & set(row)
+                         else base.grammar)))
+        except StructuredFieldError as exc:
+            raise InputError(f"{where}: {exc.param}: {exc}") from None
         except InputError as exc:
             raise InputError(f"{where}: {exc}") from None
         rows.prompts.append(row.get("prompt", row.get("messages")))
@@ -230,7 +235,8 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
               help="JSONL file, one row per line: {\"prompt\": ...} or {\"messages\": [...]}, "
                    "with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, "
                    "presence_penalty, frequency_penalty, repetition_penalty, logit_bias, stop, "
-                   "chat. Generates all rows as one "
+                   "chat, response_format, structured_outputs (as the server's). Generates all "
+                   "rows as one "
                    "batch (needs a --graph concat pair).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text + stats).")

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams, logit_bias_from_json
+from specedge.runtime.structured_api import grammar_field
 
 from .test_cli import assert_clean_error, invoke
 
@@ -24,7 +25,10 @@ def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path
     rows = [{"prompt": "Hi there", "max_new_tokens": 5, "repetition_penalty": 1.4,
              "logit_bias": {"7": -100, "12": 1.5}},
             {"prompt": document + "# what does add do?", "max_new_tokens": 17},
-            {"messages": [{"role": "user", "content": "Hello"}], "max_new_tokens": 9},
+            {"messages": [{"role": "user", "content": "Hello"}], "max_new_tokens": 12,
+             "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+                 "type": "object", "required": ["n"], "additionalProperties": False,
+                 "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}},
             {"prompt": document + "# write a test", "max_new_tokens": 7}]
     batch = tmp_path / "batch.jsonl"
     batch.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -38,11 +42,13 @@ def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path
     assert summary["cached_tokens"] == lines[3]["stats"]["cached_tokens"]
     assert summary["prompt_tokens"] == sum(line["stats"]["prompt_tokens"] for line in lines[:-1])
     pair = Pair.load(concat_dir)
+    assert json.loads(lines[2]["text"])["n"] <= 9
     for row, got in zip(rows, lines, strict=False):
         sampling = SamplingParams(repetition_penalty=row.get("repetition_penalty", 1.0),
                                   logit_bias=logit_bias_from_json(row.get("logit_bias")))
         cfg = GenerationConfig(max_new_tokens=row["max_new_tokens"], drafter="none",
-                               chat="messages" in row, sampling=sampling)
+                               chat="messages" in row, sampling=sampling,
+                               grammar=grammar_field(row))
         want = pair.generate(row.get("prompt") or row["messages"], cfg)
         assert got["tokens"] == want.tokens and got["text"] == want.text
 
@@ -54,6 +60,8 @@ def test_generate_batch_file(runner: CliRunner, concat_dir: Path, tmp_path: Path
     ('{"prompt": "a", "stop": 3}', "a string or a list of strings"),
     ('{"prompt": "a", "logit_bias": {"x": 1}}', "logit_bias keys must be token ids"),
     ('{"prompt": "a", "logit_bias": [1]}', "an object of token ids"),
+    ('{"prompt": "a", "structured_outputs": {"regex": "[a-"}}',
+     "structured_outputs: the regex does not compile"),
     ("", "no rows"),
 ])
 def test_bad_batch_files(runner: CliRunner, concat_dir: Path, tmp_path: Path, content: str,
