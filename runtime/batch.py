@@ -42,7 +42,7 @@ from .batch_join import BatchRow as BatchRow
 from .batch_join import BatchStats as BatchStats
 from .batch_join import Joining, RowJoins
 from .batch_join import RowRequest as RowRequest
-from .drafters import forced_drafts, ngram_for, take_ngram
+from .drafters import ngram_for, take_ngram
 from .errors import InputError
 from .policy import DecodePlan
 from .rounds import draft_budget, fed_prefix, needs_logits
@@ -85,7 +85,6 @@ class BatchDecoder(RowJoins):
         # `tuner`: a warm AdaptiveK (costs and acceptance learned earlier at this batch size).
         self.tuner = (tuner or new_tuner(plan.drafter, plan.k)) if plan.adaptive else None
         self.totals = BatchStats()
-        self.forced_rows: set[int] = set()  # this round's rows drafting their grammar's tokens
 
     def _catch_up(self, rows: list[BatchRow]) -> float:
         """Feed the draft, in one call, what rows whose draft lags by more than a few tokens
@@ -121,13 +120,8 @@ class BatchDecoder(RowJoins):
         ks = {i: own for i, (own, _) in budgets.items()}
         drafts: dict[int, list[int]] = {r.index: [] for r in live}
         model_rows = []
-        self.forced_rows = set()
         for row in live:
             free = budgets[row.index][1]
-            if forced := forced_drafts(row.sampler, row.generated, free):
-                drafts[row.index] = forced
-                self.forced_rows.add(row.index)
-                continue
             hit = self.ngram.lookup(row.tokens, free) if self.ngram else []
             if self.plan.drafter == "ngram" or take_ngram(hit, free):
                 drafts[row.index] = hit
@@ -189,8 +183,7 @@ class BatchDecoder(RowJoins):
                                              row.position, row.generated)
             accepted = len(emitted) - 1
             outcomes.append((n, accepted))
-            if row.index in model_rows or not n or (self.plan.drafter != "hybrid" and
-                                                    row.index not in self.forced_rows):
+            if self.plan.drafter != "hybrid" or row.index in model_rows or not n:
                 tuned.append((n, accepted))
             row.tokens.extend(int(t) for t in emitted)
             # The target holds every committed token but the last, which the next round feeds.

@@ -38,8 +38,7 @@ class Proposal:
     calls: int = 0
     step_seconds: float = 0.0  # the cost per drafted position that adaptive k models
     step_calls: int = 0  # drafted positions that cost is spread over
-    free: bool = False  # drafted at no model cost (n-gram lookup, a grammar's forced tokens)
-    forced: bool = False  # the row's grammar forced them (`forced_drafts`)
+    free: bool = False  # drafted at no model cost (n-gram lookup)
 
 
 class Drafter(Protocol):
@@ -212,23 +211,6 @@ class HybridDrafter:
 
     def catch_up(self, tokens: list[int]) -> int:
         return self.model.catch_up(tokens)
-
-
-def forced_drafts(sampler: RowSampler, generated: Sequence[int], k_free: int) -> list[int]:
-    """A structured-output row's free drafts: the tokens its grammar forces next (JSON keys
-    and punctuation, a choice's rest), taken by hybrid drafting's rule (`take_ngram`) and
-    tried before any other drafter. They are drafts, verified as any, so the output does not
-    change; a round of them costs one target call and no draft call."""
-    hit = sampler.forced(generated, k_free)
-    return hit if take_ngram(hit, k_free) else []
-
-
-def grammar_proposal(sampler: RowSampler, generated: Sequence[int],
-                     k_free: int) -> Proposal | None:
-    """`forced_drafts` as a batch-1 proposal (None when there are none)."""
-    hit = forced_drafts(sampler, generated, k_free)
-    return (Proposal(np.asarray(hit, np.int64), None, step_calls=len(hit), free=True,
-                     forced=True) if hit else None)
 
 
 def ngram_for(drafter: str) -> NgramDrafter | None:

@@ -200,14 +200,6 @@ class GrammarState:
                 out[i] = out[i - 1]
         return out
 
-    def forced(self, history: Sequence[int], limit: int) -> list[int]:
-        """Up to `limit` tokens the grammar forces after the output `history` (llguidance's
-        fast-forward tokens: the forced bytes as the tokenizer writes them). The target may
-        still write those bytes with other tokens, so these are drafts, verified as any."""
-        if limit <= 0 or not self._follow(history):
-            return []
-        return [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
-
     def constrain(self, logits: npt.ArrayLike, history: Sequence[int],
                   drafts: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """A verification block's logits `[n, vocab]` with each row's disallowed tokens at

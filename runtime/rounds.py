@@ -140,11 +140,6 @@ class RowSampler:
         full[ids] = logits
         return penalize(full[None], history, (), self.params, self.prompt)[0][ids]
 
-    def forced(self, history: Sequence[int], limit: int) -> list[int]:
-        """Tokens the row's grammar forces after the output `history` (at most `limit`; none
-        without a grammar): free drafts (`drafters.forced_drafts`)."""
-        return self.grammar.forced(history, limit) if self.grammar is not None else []
-
     def verify_ids(self, drafts: np.ndarray, target_ids: np.ndarray) -> np.ndarray:
         """Greedy verification from the target's argmax ids `[n + 1]` (a greedy row's logits
         need not reach the host); the same tokens as `verify` on the logits."""
@@ -330,8 +325,5 @@ def draft_budget(plan: DecodePlan, k: int, output: RowOutput, n_tokens: int,
 
 def tuned_round(plan: DecodePlan, proposal: object | None) -> bool:
     """Whether a round's k came from the tuner (so it should learn from the round): not a
-    hybrid round whose drafts were a free n-gram hit, nor a round of a grammar's forced
-    tokens."""
-    if getattr(proposal, "forced", False):
-        return False
+    hybrid round whose drafts were a free n-gram hit."""
     return not (plan.drafter == "hybrid" and getattr(proposal, "free", False))

@@ -15,7 +15,7 @@ import numpy as np
 
 from .adaptive import AdaptiveK, new_tuner
 from .backend import OrtModel
-from .drafters import Drafter, grammar_proposal
+from .drafters import Drafter
 from .kvcache import KVCache
 from .policy import DecodePlan
 from .prefix_cache import prefill
@@ -69,8 +69,7 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
             position = len(tokens) - len(prompt)  # output position of the round's first token
             k, k_free = draft_budget(plan, adaptive.k if adaptive else plan.k, output,
                                      len(tokens), limit)
-            proposal = ((grammar_proposal(sampler, tokens[len(prompt):], k_free)
-                         or drafter.propose(tokens, k, sampler, position, k_free))
+            proposal = (drafter.propose(tokens, k, sampler, position, k_free)
                         if drafter and (k or k_free) else None)
             drafts = proposal.tokens if proposal is not None else _NO_DRAFTS
             t1 = time.perf_counter()

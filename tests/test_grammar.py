@@ -170,24 +170,6 @@ def test_block_masks_equal_fresh_matchers(pair: Pair, data: st.DataObject) -> No
         history.append(int(data.draw(st.sampled_from(list(allowed)))))
 
 
-def test_forced_tokens_are_free_drafts(pair: Pair) -> None:
-    """The tokens a grammar forces (JSON keys and punctuation) are drafted without a draft
-    call, before the drafter (`drafters.forced_drafts`); the output stays target-only's."""
-    grammar = GRAMMARS["json_schema"]
-    assert pair.tokenizer.decode(pair.grammars.state(grammar).forced([], 8)) == '{"ok":'
-    assert pair.grammars.state(GRAMMARS["regex"]).forced([], 8) == []  # "yes" or "no"
-    config = GenerationConfig(max_new_tokens=48, grammar=grammar, drafter="model",
-                              num_draft_tokens=4, adaptive=False)
-    spec = pair.generate("Hello there", config)
-    alone = pair.generate("Hello there", GenerationConfig(max_new_tokens=48, grammar=grammar,
-                                                          drafter="none"))
-    assert spec.tokens == alone.tokens
-    assert spec.stats.draft_calls < spec.stats.proposed / 2  # most drafts were forced
-    free = pair.generate("Hello there", GenerationConfig(max_new_tokens=48, drafter="model",
-                                                         num_draft_tokens=4, adaptive=False))
-    assert free.stats.draft_calls >= free.stats.proposed  # without a grammar: one call each
-
-
 def test_a_dead_end_allows_eos_only(pair: Pair) -> None:
     state = pair.grammars.state(Grammar.choice(["ab"]))
     done = state.masks(pair.tokenizer.encode("ab"), [], 1)[0]
