@@ -169,7 +169,8 @@ class RowJoins:
             self.d_cache.lengths[slot] = draft_reused
         row = BatchRow(slot, len(request.prompt), list(request.prompt),
                        RowSampler(request.params, self.target.spec.vocab_size,
-                                  request.prompt, request.grammar), request.output,
+                                  request.prompt, request.grammar, request.output.eos),
+                       request.output,
                        GenerationStats(prompt_tokens=len(request.prompt), cached_tokens=reused))
         draft_from = int(self.d_cache.lengths[slot]) if self.d_cache is not None else 0
         self.joining.append(Joining(row, draft_from))

@@ -88,13 +88,14 @@ def _fit_all(state: ServerState, parsed: ParsedRequest) -> list[GenerationConfig
 
     Raises:
         APIError: 400 for a prompt the chat template refuses, one too long for the context, or
-            a logit bias on a token id outside the vocabulary.
+            a logit bias or stop token id outside the vocabulary.
     """
     vocab = state.pair.target.spec.vocab_size
-    outside = [t for t, _ in parsed.config.sampling.logit_bias if t >= vocab]
-    if outside:
-        raise APIError(400, f"logit_bias names token id {outside[0]}, but this model's "
-                            f"vocabulary has {vocab} ids (0..{vocab - 1})", param="logit_bias")
+    for param, ids in (("logit_bias", [t for t, _ in parsed.config.sampling.logit_bias]),
+                       ("stop_token_ids", parsed.config.stop_token_ids)):
+        if outside := [t for t in ids if t >= vocab]:
+            raise APIError(400, f"{param} names token id {outside[0]}, but this model's "
+                                f"vocabulary has {vocab} ids (0..{vocab - 1})", param=param)
     param = "messages" if parsed.kind == "chat" else "prompt"
     configs = []
     for prompt in parsed.prompts:

@@ -53,6 +53,9 @@ class GenerationConfig:
         grammar: structured output (`runtime/grammar`): a JSON schema, any JSON object, a
             regex, a Lark or GBNF grammar, or a choice of strings that the output must match;
             None: free text.
+        ignore_eos: eos tokens do not end the generation (benchmarks of fixed lengths).
+        stop_token_ids: more tokens that end the generation, as eos does (kept in `tokens`,
+            never in the text).
     """
 
     max_new_tokens: int = 128
@@ -65,6 +68,8 @@ class GenerationConfig:
     draft_p_min: float | None = None
     logprobs: int | None = None
     grammar: Grammar | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or \
@@ -99,6 +104,14 @@ class GenerationConfig:
                               not 0 <= n <= MAX_TOP_LOGPROBS):
             raise InputError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}] "
                              f"(the alternatives returned per token), got {n!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InputError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, list | tuple) or len(ids) > 64 or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise InputError(f"stop_token_ids must be a list of at most 64 token ids >= 0, got "
+                             f"{ids!r:.60}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise InputError(f"grammar must be a Grammar or None, got {self.grammar!r:.60}")
 

@@ -15,7 +15,8 @@ log-probability of every generated token (`runtime/logprobs`), in each API's own
 logprobs, first). `logit_bias`, the presence and frequency penalties and vLLM's
 `repetition_penalty` adjust the target's logits exactly as target-only decoding would
 (`runtime/penalties`); `response_format` (JSON object or schema) and vLLM's
-`structured_outputs` constrain the output to a grammar (`runtime/structured_api`).
+`structured_outputs` constrain the output to a grammar (`runtime/structured_api`); vLLM's
+`min_tokens`, `ignore_eos` and `stop_token_ids` decide where the completion may end.
 """
 
 from __future__ import annotations
@@ -272,7 +273,19 @@ def _sampling(body: Mapping[str, Any]) -> SamplingParams:
                           or 0.0,
                           repetition_penalty=_number(body, "repetition_penalty", 0.0, 10.0,
                                                      open_lo=True) or 1.0,
-                          logit_bias=_logit_bias(body.get("logit_bias")))
+                          logit_bias=_logit_bias(body.get("logit_bias")),
+                          min_tokens=_int(body, "min_tokens", 0, 1_000_000) or 0)
+
+
+def _stop_token_ids(value: Any) -> tuple[int, ...]:
+    """vLLM's `stop_token_ids`: tokens that end the completion, as eos does."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > 64 or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value):
+        raise _bad("stop_token_ids", f"expected a list of at most 64 token ids, got "
+                                     f"{_short(value)}")
+    return tuple(value)
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
@@ -372,7 +385,9 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
         config = GenerationConfig(max_new_tokens=max_tokens or defaults.max_tokens_limit,
                                   sampling=_sampling(body), num_draft_tokens=k,
                                   drafter=drafter, adaptive=adaptive, stop=_stop(body.get("stop")),
-                                  logprobs=_logprobs(kind, body), grammar=grammar)
+                                  logprobs=_logprobs(kind, body), grammar=grammar,
+                                  ignore_eos=_bool(body, "ignore_eos"),
+                                  stop_token_ids=_stop_token_ids(body.get("stop_token_ids")))
     except InputError as exc:  # ranges the helpers above leave to the runtime's own checks
         raise APIError(400, str(exc)) from None
     echo = _bool(body, "echo")

@@ -248,8 +248,10 @@ class Pair:
 
     def new_output(self, prompt_ids: Sequence[int], config: GenerationConfig, *,
                    text: bool = True) -> RowOutput:
-        """The output tracker of one generation: budget, eos, and (with text) stop strings."""
-        return RowOutput(config.max_new_tokens, self.manifest.eos_token_ids,
+        """The output tracker of one generation: budget, eos (or none, `ignore_eos`) and stop
+        token ids, and (with text) stop strings."""
+        eos = () if config.ignore_eos else tuple(self.manifest.eos_token_ids)
+        return RowOutput(config.max_new_tokens, eos + config.stop_token_ids,
                          tokenizer=self.tokenizer if text else None, prompt_ids=prompt_ids,
                          stop=config.stop if text else (), top_logprobs=config.logprobs)
 
@@ -276,7 +278,7 @@ class Pair:
             cache = self.target.new_cache(1, max_len)
         stats.cached_tokens = reused
         sampler = RowSampler(config.sampling, self.target.spec.vocab_size, ids,
-                             self.grammar_state(config))
+                             self.grammar_state(config), output.eos)
         key = (1, plan.drafter, plan.k)
         tuner = self.tuners.take(key) if drafter is not None and plan.adaptive else None
         rounds = decode(self.target, cache, drafter, ids, plan, sampler, output, stats,

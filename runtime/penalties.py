@@ -2,7 +2,8 @@
 
 `penalize` adjusts a block of target logits (or one row of draft logits) as `SamplingParams`
 asks: OpenAI's ``logit_bias``, the CTRL repetition penalty over the prompt and the output, and
-OpenAI's presence and frequency penalties over the output. Row i of a verification block is
+OpenAI's presence and frequency penalties over the output; `suppress_stops` bans the tokens that
+end a generation before vLLM's ``min_tokens``. Row i of a verification block is
 adjusted for exactly the output before it (the history and the first i drafts), so each row is
 what target-only decoding would have seen at that position, and speculative output stays the
 target's (greedy: token for token). Pure numpy; nothing here is random.
@@ -18,7 +19,7 @@ from .sampling import SamplingParams
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-__all__ = ["penalize", "prompt_tokens"]
+__all__ = ["penalize", "prompt_tokens", "suppress_stops"]
 
 
 def prompt_tokens(prompt: npt.ArrayLike, params: SamplingParams) -> IntArray:
@@ -92,4 +93,22 @@ def penalize(logits: npt.ArrayLike, history: npt.ArrayLike, drafts: npt.ArrayLik
                 float(params.repetition_penalty))
     if float(params.presence_penalty) != 0.0 or float(params.frequency_penalty) != 0.0:
         _presence_frequency(out, before, block, params)
+    return out
+
+
+def suppress_stops(logits: npt.ArrayLike, position: int, min_tokens: int,
+                   stop_ids: IntArray) -> FloatArray:
+    """Ban the tokens that end a generation (`stop_ids`) from rows whose output position is
+    below `min_tokens` (row i of a block is position ``position + i``). A row where they are
+    all that is left (a grammar that can only end) keeps them, so it can end."""
+    out = np.asarray(logits)
+    rows = min(out.shape[0], max(0, min_tokens - position))
+    if not rows or not len(stop_ids):
+        return out  # type: ignore[return-value]
+    out = np.array(out, dtype=np.float64)
+    keep = np.ones(out.shape[1], bool)
+    keep[stop_ids[stop_ids < out.shape[1]]] = False
+    for i in range(rows):
+        if np.isfinite(out[i, keep]).any():
+            out[i, ~keep] = -np.inf
     return out

@@ -20,7 +20,7 @@ construction:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from .detokenize import IncrementalDetokenizer, StopStrings
 from .errors import InputError
 from .grammar import GrammarState
 from .logprobs import TokenLogprob, token_logprobs
-from .penalties import penalize, prompt_tokens
+from .penalties import penalize, prompt_tokens, suppress_stops
 from .policy import DecodePlan
 from .sampling import SamplingParams, warp_probs
 from .text import Tokenizer
@@ -45,14 +45,18 @@ class RowSampler:
         vocab_size: the target's vocabulary (the noise covers every token id).
         prompt: the prompt's tokens (the repetition penalty counts them).
         grammar: the row's structured-output matcher (`runtime/grammar`), or None.
+        stop_ids: the tokens that end the row (eos, stop token ids), banned before
+            `params.min_tokens`.
 
     Raises:
         InputError: if `params.logit_bias` names a token id outside the vocabulary.
     """
 
     def __init__(self, params: SamplingParams, vocab_size: int,
-                 prompt: Sequence[int] = (), grammar: GrammarState | None = None) -> None:
+                 prompt: Sequence[int] = (), grammar: GrammarState | None = None,
+                 stop_ids: Iterable[int] = ()) -> None:
         self.params, self.vocab_size, self.grammar = params, vocab_size, grammar
+        self.stop_ids = np.asarray(sorted(int(t) for t in stop_ids), np.int64)
         outside = [t for t, _ in params.logit_bias if t >= vocab_size]
         if outside:
             raise InputError(f"logit_bias names token id {outside[0]}, but the vocabulary has "
@@ -113,6 +117,8 @@ class RowSampler:
             logits = self.grammar.constrain_draft(logits, ids, history)
             if not np.isfinite(logits).any():
                 return -1, None, -1.0  # the draft has no token the grammar allows: stop
+        if position < self.params.min_tokens:
+            logits = self._suppressed_draft(logits, ids, position)
         if self.params.greedy:
             pick = int(np.argmax(logits))
             z = np.asarray(logits, np.float64) - float(logits[pick])
@@ -129,6 +135,16 @@ class RowSampler:
         full = np.zeros(self.vocab_size)
         full[ids] = p
         return int(ids[pick]), full, confidence
+
+    def _suppressed_draft(self, logits: np.ndarray, ids: np.ndarray | None,
+                          position: int) -> np.ndarray:
+        """Draft logits with the stop tokens banned (`penalties.suppress_stops`; a reduced
+        head's columns are the token ids `ids`)."""
+        if ids is None:
+            return suppress_stops(logits[None], position, self.params.min_tokens,
+                                  self.stop_ids)[0]
+        mine = np.flatnonzero(np.isin(ids, self.stop_ids))
+        return suppress_stops(logits[None], position, self.params.min_tokens, mine)[0]
 
     def _penalized_draft(self, logits: np.ndarray, ids: np.ndarray | None,
                          history: Sequence[int]) -> np.ndarray:
@@ -159,6 +175,7 @@ class RowSampler:
         logits = penalize(logits, history, drafts, self.params, self.prompt)
         if self.grammar is not None:
             logits = self.grammar.constrain(logits, history, drafts)
+        logits = suppress_stops(logits, position, self.params.min_tokens, self.stop_ids)
         if self.params.greedy:
             return accept_greedy(drafts, logits)
         target_probs = warp_probs(logits, self.params)  # [n + 1, vocab]

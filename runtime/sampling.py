@@ -71,6 +71,9 @@ class SamplingParams:
             that order, before temperature, to greedy decoding too, and to the target's
             distribution at each position from the output before it (accepted drafts included),
             so speculation stays exact (`penalties.penalize`).
+        min_tokens: The tokens that end a generation (eos, stop token ids) are banned until the
+            output holds this many tokens (vLLM's ``min_tokens``; `penalties.suppress_stops`).
+            ``0`` turns it off.
 
     Raises:
         InputError: If a field is out of range; the message names the field, the value found
@@ -86,6 +89,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -115,13 +119,18 @@ class SamplingParams:
             raise InputError(f"repetition_penalty must be a number in (0, 10] (1 turns it off), "
                              f"got {r!r}")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if not _is_int(self.min_tokens) or not 0 <= int(self.min_tokens) <= 1_000_000:
+            raise InputError(f"min_tokens must be an integer in [0, 1000000] (0 turns it off), "
+                             f"got {self.min_tokens!r}")
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when a logit bias or a presence, frequency or repetition penalty is set: the
-        logits then depend on the context (`penalties.penalize`), so no argmax shortcut."""
+        """True when a logit bias, a presence, frequency or repetition penalty or min_tokens is
+        set: the logits then depend on the context (`runtime/penalties`), so no argmax
+        shortcut."""
         return (float(self.presence_penalty) != 0.0 or float(self.frequency_penalty) != 0.0
-                or float(self.repetition_penalty) != 1.0 or bool(self.logit_bias))
+                or float(self.repetition_penalty) != 1.0 or bool(self.logit_bias)
+                or int(self.min_tokens) > 0)
 
     @property
     def greedy(self) -> bool:

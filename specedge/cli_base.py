@@ -364,6 +364,8 @@ class GenerationOptions:
     json_schema: str | None = None  # inline JSON or a file's path
     regex: str | None = None
     grammar: str | None = None  # Lark or GBNF, inline or a file's path
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def config(self, chat: bool) -> GenerationConfig:
         """The `GenerationConfig` (validated there: bad values raise InputError)."""
@@ -375,12 +377,13 @@ class GenerationOptions:
                                   presence_penalty=self.presence_penalty,
                                   frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty,
-                                  logit_bias=logit_bias_from_json(_bias_option(self.logit_bias)))
+                                  logit_bias=logit_bias_from_json(_bias_option(self.logit_bias)),
+                                  min_tokens=self.min_tokens)
         return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=sampling,
                                 num_draft_tokens=self.num_draft_tokens,
                                 drafter="none" if self.no_speculation else self.drafter,
                                 adaptive=self.adaptive, stop=self.stop, chat=chat,
-                                grammar=self._grammar())
+                                grammar=self._grammar(), ignore_eos=self.ignore_eos)
 
     def _grammar(self) -> Grammar | None:
         from specedge.runtime.grammar import Grammar
@@ -444,6 +447,9 @@ generation_options = _collect("generation", GenerationOptions, [
                       "or output (0..10, 1 = off)."),
     click.option("--logit-bias", multiple=True, metavar="TOKEN_ID=BIAS",
                  help="Added to that token's logit (-100..100; repeatable)."),
+    click.option("--min-tokens", default=0, show_default=True, type=int,
+                 help="No eos before this many tokens."),
+    click.option("--ignore-eos", is_flag=True, help="Do not stop at eos (fixed-length runs)."),
     click.option("--json-schema", default=None, metavar="SCHEMA|FILE",
                  help="Structured output: JSON matching this schema (inline or a file)."),
     click.option("--regex", default=None, metavar="RE",

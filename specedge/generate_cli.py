@@ -62,14 +62,16 @@ def _stream(loaded: Pair, prompt: Any, config: GenerationConfig) -> GenerationRe
 
 _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
              "seed", "stop", "chat", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logit_bias", "response_format", "structured_outputs"}
+             "repetition_penalty", "logit_bias", "response_format", "structured_outputs",
+             "min_tokens", "ignore_eos"}
 _ROW_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "max_new_tokens": ((int,), "an integer"), "top_k": ((int,), "an integer"),
     "temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
     "min_p": ((int, float), "a number"), "seed": ((int, type(None)), "an integer or null"),
     "chat": ((bool,), "true or false"),
     "presence_penalty": ((int, float), "a number"), "frequency_penalty": ((int, float), "a number"),
-    "repetition_penalty": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"), "min_tokens": ((int,), "an integer"),
+    "ignore_eos": ((bool,), "true or false"),
     "logit_bias": ((dict, type(None)), "an object of token ids (as strings) to biases"),
 }
 
@@ -161,14 +163,16 @@ def _read_batch(path: Path, base: GenerationConfig) -> BatchRows:
                 frequency_penalty=row.get("frequency_penalty", s.frequency_penalty),
                 repetition_penalty=row.get("repetition_penalty", s.repetition_penalty),
                 logit_bias=(logit_bias_from_json(row["logit_bias"]) if "logit_bias" in row
-                            else s.logit_bias))
+                            else s.logit_bias),
+                min_tokens=row.get("min_tokens", s.min_tokens))
             rows.configs.append(dataclasses.replace(
                 base, sampling=sampling,
                 stop=tuple(_row_stop(row) or ()) if "stop" in row else base.stop,
                 max_new_tokens=row.get("max_new_tokens", base.max_new_tokens),
                 chat=row.get("chat", base.chat or "messages" in row),
                 grammar=(grammar_field(row) if {"response_format", "structured_outputs"} & set(row)
-                         else base.grammar)))
+                         else base.grammar),
+                ignore_eos=row.get("ignore_eos", base.ignore_eos)))
         except StructuredFieldError as exc:
             raise InputError(f"{where}: {exc.param}: {exc}") from None
         except InputError as exc:
@@ -235,7 +239,8 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
               help="JSONL file, one row per line: {\"prompt\": ...} or {\"messages\": [...]}, "
                    "with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, "
                    "presence_penalty, frequency_penalty, repetition_penalty, logit_bias, stop, "
-                   "chat, response_format, structured_outputs (as the server's). Generates all "
+                   "chat, response_format, structured_outputs, min_tokens, ignore_eos (as the "
+                   "server's). Generates all "
                    "rows as one "
                    "batch (needs a --graph concat pair).")
 @click.option("--stats", "show_stats", is_flag=True, help="Print statistics (to stderr).")

@@ -135,6 +135,23 @@ def test_generate_structured_output(runner: CliRunner, tiny_pair_dir: Path,
         assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "Hi", *bad), message)
 
 
+def test_generate_min_tokens_and_ignore_eos(runner: CliRunner, tiny_pair_dir: Path) -> None:
+    from specedge.runtime.sampling import SamplingParams
+
+    eos = Pair.load(tiny_pair_dir).manifest.eos_token_ids[0]
+    early = ("--logit-bias", f"{eos}=12", "--max-new-tokens", "16")
+    assert len(generate_json(runner, tiny_pair_dir, "Hi", *early)["tokens"]) < 4
+    held = generate_json(runner, tiny_pair_dir, "Hi", *early, "--min-tokens", "6")
+    want = Pair.load(tiny_pair_dir).generate("Hi", GenerationConfig(
+        max_new_tokens=16, drafter="none",
+        sampling=SamplingParams(logit_bias={eos: 12}, min_tokens=6)))
+    assert held["tokens"] == want.tokens and len(want.tokens) > 6
+    full = generate_json(runner, tiny_pair_dir, "Hi", *early, "--ignore-eos")
+    assert len(full["tokens"]) == 16 and eos in full["tokens"]
+    assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "Hi", "--min-tokens", "-3"),
+                       "min_tokens must be an integer")
+
+
 def test_generate_repetition_penalty_and_logit_bias(runner: CliRunner,
                                                     tiny_pair_dir: Path) -> None:
     from specedge.runtime.sampling import SamplingParams

@@ -354,6 +354,33 @@ def test_logit_bias_and_repetition_penalty_through_the_openai_client(served: Ser
     assert reply.usage is not None and reply.usage.model_extra["specedge"]["proposed"] > 0
 
 
+def test_min_tokens_ignore_eos_and_stop_token_ids(served: Served) -> None:
+    client, pair, model = served.client(), served.pair, served.model
+    eos = pair.manifest.eos_token_ids[0]
+    early = {"logit_bias": {str(eos): 12}}
+    short = client.completions.create(model=model, prompt="Hello there", max_tokens=20,
+                                      temperature=0, **early)
+    assert short.choices[0].finish_reason == "stop" and short.usage is not None
+    assert short.usage.completion_tokens < 4
+    want = pair.generate("Hello there", GenerationConfig(
+        max_new_tokens=20, drafter="none",
+        sampling=SamplingParams(logit_bias={eos: 12}, min_tokens=7)))
+    held = client.completions.create(model=model, prompt="Hello there", max_tokens=20,
+                                     temperature=0, extra_body={"min_tokens": 7}, **early)
+    assert held.choices[0].text == want.text and held.usage is not None
+    assert held.usage.completion_tokens == len(want.tokens) > 7
+    full = client.completions.create(model=model, prompt="Hello there", max_tokens=20,
+                                     temperature=0, extra_body={"ignore_eos": True}, **early)
+    assert full.choices[0].finish_reason == "length" and full.usage is not None
+    assert full.usage.completion_tokens == 20
+    free = solo(pair, "Hello there", 12, chat=False)
+    cut = client.completions.create(model=model, prompt="Hello there", max_tokens=12,
+                                    temperature=0,
+                                    extra_body={"stop_token_ids": [free.tokens[4]]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage is not None
+    assert cut.usage.completion_tokens == free.tokens.index(free.tokens[4]) + 1
+
+
 def test_structured_output_through_the_openai_client(served: Served) -> None:
     client, pair, model = served.client(), served.pair, served.model
     schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
@@ -704,6 +731,12 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
         ("response_format and guided_regex", {**chat, "response_format": {
             "type": "json_object"}, "guided_regex": "a+"}, 400, "guided_regex"),
         ("guided_choice empty", {**chat, "guided_choice": []}, 400, "guided_choice"),
+        ("min_tokens negative", {**chat, "min_tokens": -1}, 400, "min_tokens"),
+        ("ignore_eos wrong type", {**chat, "ignore_eos": "yes"}, 400, "ignore_eos"),
+        ("stop_token_ids wrong type", {**chat, "stop_token_ids": [1, "2"]}, 400,
+         "stop_token_ids"),
+        ("stop_token_ids outside the vocabulary", {**chat, "stop_token_ids": [10**8]}, 400,
+         "stop_token_ids"),
         ("negative max_tokens", {**chat, "max_tokens": -1}, 400, "max_tokens"),
         ("huge max_tokens", {**chat, "max_tokens": 10**12}, 400, "max_tokens"),
         ("zero max_completion_tokens", {**chat, "max_completion_tokens": 0}, 400,
