@@ -13,15 +13,14 @@ import click
 
 from specedge.cli_base import (
     PREFIX_CACHE_HELP,
-    GenerationOptions,
     LoadOptions,
     clean_errors,
-    generation_options,
     load_options,
     new_table,
     one_line,
     print_table,
 )
+from specedge.generation_options import GenerationOptions, generation_options
 from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.files import json_dumps
 from specedge.runtime.logprobs import MAX_TOP_LOGPROBS
