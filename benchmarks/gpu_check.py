@@ -540,6 +540,48 @@ def check(plan: Plan) -> None:
         result["prefix_cache"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     write_part(plan, "check", result)
     print(f"check: prefix cache {json.dumps(result['prefix_cache'])}")
+    try:
+        result["structured"] = structured_check(plan, info, ids)
+    except Exception as exc:  # reported, not fatal
+        result["structured"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    write_part(plan, "check", result)
+    print(f"check: structured output {json.dumps(result['structured'])}")
+
+
+STRUCTURED_SCHEMA = {"type": "object", "additionalProperties": False,
+                     "required": ["answer", "confident"],
+                     "properties": {"answer": {"type": "string", "maxLength": 60},
+                                    "confident": {"type": "boolean"}}}
+
+
+def structured_check(plan: Plan, info: PairInfo, ids: list[list[int]]) -> dict[str, Any]:
+    """Structured output on this provider: every prompt answered under a JSON schema, K=3 ==
+    target-only token for token (the masks follow each verification row's drafts), and how
+    many finished outputs parse."""
+    from specedge.runtime.grammar import Grammar
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    if plan.left() < 12:
+        return {"error": "no time left"}
+    pair = Pair.load(info.folder, providers=plan.provider, verify_hashes=False)
+    base = GenerationConfig(max_new_tokens=plan.check_new, drafter="none",
+                            grammar=Grammar.json_schema(STRUCTURED_SCHEMA))
+    spec = dataclasses.replace(base, drafter="model", num_draft_tokens=3, adaptive=False)
+    equal = done = finished = parsed = 0
+    for prompt in ids:
+        if plan.left() < 5:
+            break
+        ref, reason, _ = pair.generate_ids(prompt, base)
+        equal += pair.generate_ids(prompt, spec)[0] == ref
+        done += 1
+        if reason == "eos":
+            finished += 1
+            try:
+                parsed += isinstance(json.loads(pair.tokenizer.decode(ref)), dict)
+            except ValueError:
+                pass
+    return {"equal": equal, "prompts": done, "of": len(ids), "finished": finished,
+            "parsed": parsed}
 
 
 def prefix_check(plan: Plan, info: PairInfo, ids: list[list[int]]) -> dict[str, Any]:

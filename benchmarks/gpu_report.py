@@ -114,6 +114,16 @@ def bars(data: dict[str, Any]) -> list[dict[str, Any]]:
                                  f"over {prefix['turns']} turns; prompt tokens reused "
                                  f"{prefix['reused']}") if ok else prefix["error"][:200],
                     "passed": prefix["equal"] == prefix["generations"] if ok else None})
+    structured = check.get("structured")
+    if structured:
+        ok = "error" not in structured
+        out.append({"bar": "structured output (JSON schema): K=3 == target-only, all prompts",
+                    "measured": (f"{structured['equal']}/{structured['prompts']} equal (of "
+                                 f"{structured['of']}); {structured['parsed']} of "
+                                 f"{structured['finished']} finished outputs parse")
+                    if ok else structured["error"][:200],
+                    "passed": (structured["equal"] == structured["prompts"] == structured["of"])
+                    if ok else None})
     return out + batch_bars(data)
 
 

@@ -38,6 +38,7 @@ def test_cpu_smoke_runs_every_phase(tmp_path: Path, fixtures_dir: Path) -> None:
     bars = {b["bar"]: b["passed"] for b in data["bars"]}
     exact = [bar for bar in bars if "== target-only" in bar or "rows == their batch-1" in bar]
     assert exact and all(bars[bar] for bar in exact), bars
+    assert "structured output (JSON schema): K=3 == target-only, all prompts" in exact
     manifest = json.loads((tmp_path / "work" / "pairs" / "tiny-concat" / "specedge.json")
                           .read_text())
     assert manifest["models"]["draft"]["input_vocab_size"] < manifest["vocab_size"]
