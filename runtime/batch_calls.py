@@ -24,27 +24,30 @@ def draft_rows(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks:
     """Propose ks[row] tokens with the draft model for each of `rows`; returns drafts, draft
     probabilities (random-sampling rows) and seconds in the draft model.
 
-    With `compact`, a draft call feeds only the rows still drafting at that position; otherwise
-    every row stays in the call (the others with a masked dummy token). A row whose draft's
-    confidence falls under `p_min` stops drafting there (`ks` is updated)."""
+    With `compact`, a draft call feeds only the rows still drafting; otherwise every row stays
+    in the call (the others with a masked dummy token). A row whose draft's confidence falls
+    under `p_min` stops drafting there (`ks` is updated). The tokens a row's grammar forces are
+    drafted without a call and fed with its next one (`RowSampler.forced`)."""
     assert cache is not None
     drafts: dict[int, list[int]] = {r.index: [] for r in rows}
     probs: dict[int, list[np.ndarray]] = {r.index: [] for r in rows}
     seconds = 0.0
-    for position in range(max(ks[r.index] for r in rows)):
-        active = [r for r in rows if ks[r.index] > position]
-        if not active:
+    while True:
+        for row in rows:
+            mine = drafts[row.index]
+            if forced := row.sampler.forced(row.generated + mine, ks[row.index] - len(mine)):
+                mine.extend(forced)
+                probs[row.index].extend(p for t in forced
+                                        if (p := row.sampler.certain(t)) is not None)
+        drafting = {r.index for r in rows if len(drafts[r.index]) < ks[r.index]}
+        if not drafting:
             break
-        feed_rows = active if compact else rows
-        blocks = []
-        for row in feed_rows:
-            if ks[row.index] <= position:
-                blocks.append([0])
-            elif position == 0:
-                blocks.append(row.tokens[len(row.draft_fed):])
-            else:
-                blocks.append([drafts[row.index][-1]])
-        lens = [len(b) if ks[r.index] > position else 0
+        feed_rows = [r for r in rows if r.index in drafting] if compact else rows
+        # Each drafting row is fed what its draft has not seen: the round's catch-up and last
+        # committed token at first, then its last draft (and any forced tokens after it).
+        blocks = [(r.tokens + drafts[r.index])[len(r.draft_fed):] if r.index in drafting
+                  else [0] for r in feed_rows]
+        lens = [len(b) if r.index in drafting else 0
                 for r, b in zip(feed_rows, blocks, strict=True)]
         # Greedy rows without a confidence cut-off need only the argmax of their last fed
         # position (taken on the device when the backend does): the same token draft_token
@@ -70,10 +73,10 @@ def draft_rows(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks:
                 drafts[row.index].append(token)
                 continue
             token, p, confidence = row.sampler.draft_token(
-                logits[sampled_row[i], lens[i] - 1], row.position + position, model.vocab_ids,
-                row.generated + drafts[row.index])
-            if confidence < p_min:
-                ks[row.index] = position  # the draft doubts it: this row stops drafting
+                logits[sampled_row[i], lens[i] - 1], row.position + len(drafts[row.index]),
+                model.vocab_ids, row.generated + drafts[row.index])
+            if confidence < p_min:  # the draft doubts it: this row stops drafting
+                ks[row.index] = len(drafts[row.index])
                 continue
             if p is not None:
                 probs[row.index].append(p)

@@ -90,7 +90,13 @@ class ModelDrafter:
         # the softmax that the confidence would cost.
         argmax_only = sampler.params.greedy and self.p_min <= 0 and not sampler.adjusts_logits
         history = tokens[len(tokens) - position:] if position else []  # the output so far
-        for i in range(k):
+        while len(drafts) < k:
+            if forced := sampler.forced(history + drafts, k - len(drafts)):
+                # The grammar forces them: drafted without a call, fed with the next one.
+                drafts.extend(forced)
+                pending.extend(forced)
+                probs.extend(p for t in forced if (p := sampler.certain(t)) is not None)
+                continue
             calls += 1
             block = np.asarray([pending], np.int64)
             t0 = time.perf_counter()
@@ -108,7 +114,7 @@ class ModelDrafter:
                 ids = self.model.vocab_ids
                 token, p, confidence = (pick if ids is None else int(ids[pick])), None, 1.0
             else:
-                token, p, confidence = sampler.draft_token(logits, position + i,
+                token, p, confidence = sampler.draft_token(logits, position + len(drafts),
                                                            self.model.vocab_ids,
                                                            history + drafts)
             if confidence < self.p_min:

@@ -200,6 +200,15 @@ class GrammarState:
                 out[i] = out[i - 1]
         return out
 
+    def forced(self, history: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces after the output `history` (llguidance's
+        fast-forward tokens: the forced bytes as the tokenizer writes them; none after a
+        `history` that breaks the grammar). Drafts, verified as any: the target may write
+        those bytes with other tokens."""
+        if limit <= 0 or not self._follow(history):
+            return []
+        return [int(t) for t in self._matcher.compute_ff_tokens()[:limit]]
+
     def constrain(self, logits: npt.ArrayLike, history: Sequence[int],
                   drafts: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """A verification block's logits `[n, vocab]` with each row's disallowed tokens at

@@ -156,6 +156,21 @@ class RowSampler:
         full[ids] = logits
         return penalize(full[None], history, (), self.params, self.prompt)[0][ids]
 
+    def forced(self, history: Sequence[int], limit: int) -> list[int]:
+        """Tokens the row's grammar forces after the output `history` (at most `limit`; none
+        without a grammar): a model drafter drafts them without a call."""
+        return self.grammar.forced(history, limit) if self.grammar is not None else []
+
+    def certain(self, token: int) -> np.ndarray | None:
+        """The draft distribution of a token drafted with certainty (a grammar's forced
+        token): one-hot `[vocab]` for a row that samples without a seed (its verification
+        reads draft probabilities), None for the others."""
+        if self.rng is None:
+            return None
+        p = np.zeros(self.vocab_size)
+        p[token] = 1.0
+        return p
+
     def verify_ids(self, drafts: np.ndarray, target_ids: np.ndarray) -> np.ndarray:
         """Greedy verification from the target's argmax ids `[n + 1]` (a greedy row's logits
         need not reach the host); the same tokens as `verify` on the logits."""

@@ -170,6 +170,26 @@ def test_block_masks_equal_fresh_matchers(pair: Pair, data: st.DataObject) -> No
         history.append(int(data.draw(st.sampled_from(list(allowed)))))
 
 
+def test_forced_tokens_are_drafted_without_a_call(pair: Pair) -> None:
+    """The tokens a grammar forces (JSON keys and punctuation) are drafted without a draft-model
+    call and fed with the next one; the output stays target-only's."""
+    grammar = GRAMMARS["json_schema"]
+    assert pair.tokenizer.decode(pair.grammars.state(grammar).forced([], 8)) == '{"ok":'
+    assert pair.grammars.state(GRAMMARS["regex"]).forced([], 8) == []  # "yes" or "no"
+    for sampling in (SamplingParams(), SEEDED, SamplingParams(temperature=0.8)):
+        config = GenerationConfig(max_new_tokens=48, grammar=grammar, drafter="model",
+                                  num_draft_tokens=4, adaptive=False, sampling=sampling)
+        spec = pair.generate("Hello there", config)
+        if sampling.seed is not None or sampling.greedy:
+            alone = pair.generate("Hello there", GenerationConfig(
+                max_new_tokens=48, grammar=grammar, drafter="none", sampling=sampling))
+            assert spec.tokens == alone.tokens
+        assert spec.stats.draft_calls < spec.stats.proposed * 0.7, spec.stats
+    free = pair.generate("Hello there", GenerationConfig(max_new_tokens=48, drafter="model",
+                                                         num_draft_tokens=4, adaptive=False))
+    assert free.stats.draft_calls >= free.stats.proposed  # without a grammar: a call each
+
+
 def test_a_dead_end_allows_eos_only(pair: Pair) -> None:
     state = pair.grammars.state(Grammar.choice(["ab"]))
     done = state.masks(pair.tokenizer.encode("ab"), [], 1)[0]
@@ -204,3 +224,30 @@ def test_states_follow_rollbacks_without_errors(pair: Pair) -> None:
                                   _fresh_mask(pair, GRAMMARS["regex"], no))
     assert isinstance(state, GrammarState)
     assert llguidance.LLMatcher.validate_grammar(GRAMMARS["regex"].compiled()) == ""
+
+
+def test_sampling_keeps_the_constrained_distribution(pair: Pair) -> None:
+    """Unseeded sampling under a grammar: speculative decoding (the model's masked drafts, and
+    forced tokens drafted with certainty: one-hot draft probabilities) gives each token
+    sequence (a text may be written with several tokenizations, which the grammar all allows)
+    as often as target-only decoding (chi-square, two samples)."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    grammar = Grammar.choice(["alpha", "beta", "gamma delta", "delta"])
+    sampling = SamplingParams(temperature=1.5)
+    counts = []
+    for drafter in ("none", "model"):
+        config = GenerationConfig(max_new_tokens=16, grammar=grammar, drafter=drafter,
+                                  num_draft_tokens=4, adaptive=False, sampling=sampling)
+        runs = [pair.generate("Pick one:", config) for _ in range(600)]
+        assert {r.text for r in runs} <= {"alpha", "beta", "gamma delta", "delta"}
+        counts.append(Counter(tuple(r.tokens) for r in runs))
+    common = sorted({s for c in counts for s in c if counts[0][s] + counts[1][s] >= 10})
+    assert len(common) >= 4, counts  # several texts, and texts in several tokenizations
+    table = [[c[s] for s in common] + [sum(c.values()) - sum(c[s] for s in common)]
+             for c in counts]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    assert chi2_contingency(table).pvalue > 1e-3, counts
