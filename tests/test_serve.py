@@ -950,6 +950,18 @@ def test_doc_client_example_runs(served: Served, capsys: pytest.CaptureFixture[s
     assert capsys.readouterr().out.startswith(want + " {'acceptance_rate'")
 
 
+def test_doc_structured_example_runs(served: Served) -> None:
+    code = _doc_block("structured_outputs").replace('"smollm2-135m-fast"', repr(served.model))
+    scope: dict[str, Any] = {"client": served.client()}
+    exec(compile(code, "docs/serve.md", "exec"), scope)
+    reply, code_reply = scope["reply"], scope["code"]
+    content = reply.choices[0].message.content
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content)["city"], str)
+    assert content.startswith('{"city": "')
+    assert re.fullmatch("[0-9]{5}", code_reply.choices[0].text)
+
+
 def test_doc_embedding_example_mounts(tiny_pair_dir: Path) -> None:
     code = _doc_block("create_app").replace('"pairs/smollm2-135m"', repr(str(tiny_pair_dir)))
     code, runs = re.subn(r"uvicorn\.run\(app, host=\"127\.0\.0\.1\", port=8000, "
