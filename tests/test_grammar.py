@@ -26,7 +26,7 @@ from specedge.runtime.grammar import Grammar, GrammarState
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 
-from .test_penalties import rows_three_ways
+from .test_penalties import plain_greedy, rows_three_ways
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
           "properties": {"ok": {"type": "boolean"},
@@ -79,16 +79,9 @@ def _fresh_mask(pair: Pair, grammar: Grammar, tokens: list[int]) -> np.ndarray:
 
 
 def _plain_loop(pair: Pair, prompt: str, grammar: Grammar, n: int) -> list[int]:
-    ids = pair.encode_prompt(prompt)
-    out: list[int] = []
-    eos = set(pair.manifest.eos_token_ids)
-    for _ in range(n):
-        cache = pair.target.new_cache(1, len(ids) + len(out) + 1)
-        row = pair.target.forward(cache, np.asarray([ids + out], np.int64))[0, -1]
-        out.append(int(np.argmax(np.where(_fresh_mask(pair, grammar, out), row, -np.inf))))
-        if out[-1] in eos:
-            break
-    return out
+    """Masked by a fresh matcher each step."""
+    return plain_greedy(pair, prompt, n, lambda row, _, out: np.where(
+        _fresh_mask(pair, grammar, out), row, -np.inf))
 
 
 @pytest.mark.parametrize("name", list(GRAMMARS))

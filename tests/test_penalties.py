@@ -11,6 +11,7 @@ with a Counter.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -132,19 +133,26 @@ def test_penalties_out_of_range_are_refused(field: str, bad: object) -> None:
         SamplingParams(**{field: bad})  # type: ignore[arg-type]
 
 
-def _plain_loop(pair: Pair, prompt: str, n: int, params: SamplingParams) -> list[int]:
-    """Greedy target-only decoding with penalties, the naive way: the whole sequence every
-    step, the formulas applied with a Counter (`_reference`)."""
+def plain_greedy(pair: Pair, prompt: str, n: int,
+                 adjust: Callable[[np.ndarray, list[int], list[int]], np.ndarray]) -> list[int]:
+    """Greedy target-only decoding the naive way: the whole sequence through the target every
+    step, its last logits adjusted by `adjust(logits, prompt ids, output so far)`, the argmax
+    taken, until eos or `n` tokens."""
     ids = pair.encode_prompt(prompt)
     out: list[int] = []
     eos = set(pair.manifest.eos_token_ids)
     for _ in range(n):
         cache = pair.target.new_cache(1, len(ids) + len(out) + 1)
         row = pair.target.forward(cache, np.asarray([ids + out], np.int64))[0, -1]
-        out.append(int(np.argmax(_reference(row, ids, out, params))))
+        out.append(int(np.argmax(adjust(row.astype(np.float64), ids, out))))
         if out[-1] in eos:
             break
     return out
+
+
+def _plain_loop(pair: Pair, prompt: str, n: int, params: SamplingParams) -> list[int]:
+    """With the penalties applied by the formulas (`_reference`)."""
+    return plain_greedy(pair, prompt, n, lambda row, ids, out: _reference(row, ids, out, params))
 
 
 @pytest.mark.parametrize("fixture", ["tiny-llama", "tiny-llama-concat"])

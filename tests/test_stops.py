@@ -22,7 +22,7 @@ from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.penalties import suppress_stops
 from specedge.runtime.sampling import SamplingParams
 
-from .test_penalties import rows_three_ways
+from .test_penalties import plain_greedy, rows_three_ways
 
 PROMPTS = ["Hello there", "The quick brown fox", "1, 2, 3,"]
 EOS_BIAS = 12.0
@@ -41,20 +41,16 @@ def _early(pair: Pair, temperature: float = 0.0, **kw: int) -> SamplingParams:
 
 
 def _plain_loop(pair: Pair, prompt: str, n: int, min_tokens: int) -> list[int]:
-    ids = pair.encode_prompt(prompt)
+    """The eos bias, and eos banned before `min_tokens`."""
     eos = list(pair.manifest.eos_token_ids)
-    out: list[int] = []
-    for _ in range(n):
-        cache = pair.target.new_cache(1, len(ids) + len(out) + 1)
-        row = pair.target.forward(cache, np.asarray([ids + out], np.int64))[0, -1]
-        row = row.astype(np.float64)
+
+    def adjust(row: np.ndarray, _: list[int], out: list[int]) -> np.ndarray:
         row[eos[0]] += EOS_BIAS
         if len(out) < min_tokens:
             row[eos] = -np.inf
-        out.append(int(np.argmax(row)))
-        if out[-1] in eos:
-            break
-    return out
+        return row
+
+    return plain_greedy(pair, prompt, n, adjust)
 
 
 @settings(max_examples=100, deadline=None)
