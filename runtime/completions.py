@@ -21,17 +21,9 @@ from .errors import InputError
 from .generation import Prompt, prompt_ids
 from .jobs import Delta, Failed, Finished, Job, QueueFull
 from .logprobs import TokenLogprob
-from .openai_api import (
-    SSE_DONE,
-    APIError,
-    ParsedRequest,
-    ResponseShape,
-    error_body,
-    finish_reason,
-    parse_request,
-    sse,
-)
+from .openai_api import APIError, ParsedRequest, error_body, parse_request
 from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_json
+from .openai_responses import SSE_DONE, ResponseShape, finish_reason, sse
 from .pair import GenerationConfig, GenerationResult
 from .server_http import Bridge, GenerationStream, read_json
 

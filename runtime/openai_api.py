@@ -1,10 +1,9 @@
-"""The OpenAI API as data: request bodies into `GenerationConfig`, results into responses.
+"""The OpenAI API's requests as data: request bodies into `GenerationConfig` (responses are
+`openai_responses`).
 
 Follows the OpenAI API reference (https://platform.openai.com/docs/api-reference/chat and
 /completions) the way the `openai` Python client uses it: `POST /v1/chat/completions` and
-`POST /v1/completions`, server-sent event chunks ending in `data: [DONE]`, `usage` (with
-specedge's acceptance rate and tokens per round as the extra field `usage.specedge`) and the
-error body `{"error": {"message", "type", "param", "code"}}`.
+`POST /v1/completions`, and the error body `{"error": {"message", "type", "param", "code"}}`.
 
 Pure functions and frozen dataclasses only: no HTTP, no decoding. Fields that would change what
 a client gets back (`best_of`, `tools`, `suffix`, ...) are refused
@@ -21,28 +20,23 @@ logprobs, first). `logit_bias`, the presence and frequency penalties and vLLM's
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
 from .generation import prompt_ids
 from .logprobs import MAX_TOP_LOGPROBS
-from .pair import GenerationConfig, GenerationResult, Prompt
+from .pair import GenerationConfig, Prompt
 from .policy import DRAFTER_CHOICES
 from .sampling import SamplingParams, logit_bias_from_json
 from .structured_api import StructuredFieldError, grammar_field
 
-__all__ = ["APIError", "ParsedRequest", "RequestDefaults", "ResponseShape", "error_body",
-           "finish_reason", "messages_field", "parse_request", "sse", "usage"]
+__all__ = ["APIError", "ParsedRequest", "RequestDefaults", "error_body", "messages_field",
+           "parse_request"]
 
-SSE_DONE = b"data: [DONE]\n\n"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16
-_FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
 
 
 class APIError(Exception):
@@ -397,85 +391,3 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
     n = _int(body, "n", 1, MAX_N) or 1
     return ParsedRequest(kind, prompts, config, max_tokens is not None, stream, include_usage,
                          echo, n)
-
-
-def finish_reason(stop_reason: str) -> str:
-    """OpenAI's finish_reason for a specedge stop reason."""
-    return _FINISH.get(stop_reason, "stop")
-
-
-def usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
-    """Token counts of a response's choices (with the prompt tokens a kept prefix held, as
-    OpenAI reports cached ones), plus specedge's speculation statistics under "specedge"."""
-    prompt = sum(len(r.prompt_tokens) for r in results)
-    completion = sum(len(r.tokens) for r in results)
-    proposed = sum(r.stats.proposed for r in results)
-    accepted = sum(r.stats.accepted for r in results)
-    rounds = sum(r.stats.rounds for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_tokens
-                                                           for r in results)},
-            "specedge": {"acceptance_rate": round(accepted / proposed if proposed else 0.0, 4),
-                         "tokens_per_round": round(1.0 + accepted / rounds if rounds else 0.0,
-                                                   4),
-                         "proposed": proposed, "accepted": accepted, "rounds": rounds}}
-
-
-@dataclass(frozen=True)
-class ResponseShape:
-    """The id, kind and model of one response, and its bodies and chunks."""
-
-    kind: str  # "chat" | "text"
-    id: str
-    created: int
-    model: str
-
-    @classmethod
-    def new(cls, kind: str, model: str) -> ResponseShape:
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        return cls(kind, prefix + uuid.uuid4().hex, int(time.time()), model)
-
-    def _head(self, chunk: bool) -> dict[str, Any]:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.kind == "chat" \
-            else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def _choice(self, index: int, text: str | None, finish: str | None, chunk: bool,
-                logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        if self.kind == "text":
-            return {"index": index, "text": text or "", "logprobs": logprobs,
-                    "finish_reason": finish}
-        if not chunk:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": finish}
-        delta: dict[str, Any] = {} if text is None else {"content": text}
-        if text == "":  # the opening chunk
-            delta = {"role": "assistant", "content": ""}
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-    def body(self, choices: Sequence[tuple[GenerationResult, dict[str, Any] | None, str]]
-             ) -> dict[str, Any]:
-        """The whole (non-streaming) response: per choice, its result, its logprobs (see
-        `openai_logprobs`) and the echoed prompt its text starts with ("" without echo)."""
-        return {**self._head(False),
-                "choices": [self._choice(i, echo + result.text,
-                                         finish_reason(result.stop_reason), False, logprobs)
-                            for i, (result, logprobs, echo) in enumerate(choices)],
-                "usage": usage([result for result, _, _ in choices])}
-
-    def chunk(self, text: str | None, finish: str | None = None,
-              logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
-        """One SSE event of choice `index`: a text delta ("" opens a chat stream; None with a
-        finish_reason), with the logprobs of the tokens it adds (see `openai_logprobs`)."""
-        return sse({**self._head(True),
-                    "choices": [self._choice(index, text, finish, True, logprobs)]})
-
-    def usage_chunk(self, results: Sequence[GenerationResult]) -> bytes:
-        """The final SSE event of `stream_options.include_usage`: no choices, the usage."""
-        return sse({**self._head(True), "choices": [], "usage": usage(results)})
-
-
-def sse(obj: Mapping[str, Any]) -> bytes:
-    """One server-sent event carrying a JSON object."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"

@@ -32,7 +32,8 @@ import uvicorn
 from specedge.runtime import server_http as server_http_module
 from specedge.runtime.errors import InputError
 from specedge.runtime.grammar import Grammar
-from specedge.runtime.openai_api import RequestDefaults, finish_reason, parse_request
+from specedge.runtime.openai_api import RequestDefaults, parse_request
+from specedge.runtime.openai_responses import finish_reason
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.server import ServerOptions, create_app
