@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 import jinja2.visitor
@@ -398,16 +399,19 @@ class ChatTemplate:
         try:
             tree = _ChecksLoopsAndConcat().visit(self.env.parse(source))
             self.template = self.env.from_string(tree)
+            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(tree)
         except jinja2.TemplateError as exc:
             raise InputError(f"the chat template is invalid: {exc}") from None
         except (RecursionError, MemoryError, ValueError, SyntaxError) as exc:
             raise InputError(f"the chat template is invalid: {type(exc).__name__}") from None
 
-    def render(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool,
-               bos_token: str, eos_token: str, max_chars: int) -> str:
-        """Renders chat messages with `messages`, `add_generation_prompt`, `bos_token` and
-        `eos_token`, bounded to `RENDER_SECONDS`, `RENDER_STEPS` and `max_chars` characters for
-        any value and for the output.
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
+               bos_token: str, eos_token: str, max_chars: int,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Renders chat messages with `messages`, `add_generation_prompt`, `bos_token`,
+        `eos_token` and `tools` (None, as transformers passes it, when there are none),
+        bounded to `RENDER_SECONDS`, `RENDER_STEPS` and `max_chars` characters for any value
+        and for the output.
 
         Raises:
             InputError: the messages are malformed, or the template rejects them, fails or
@@ -424,6 +428,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos_token,
                 eos_token=eos_token,
+                tools=None if tools is None else [dict(t) for t in tools],
             ):
                 size += len(part)
                 env.check_size(size, "the rendered prompt")

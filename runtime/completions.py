@@ -8,9 +8,9 @@ prompt and logprobs. Any choice that fails fails the request, and the others are
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 from starlette.concurrency import run_in_threadpool
@@ -23,9 +23,11 @@ from .jobs import Delta, Failed, Finished, Job, QueueFull
 from .logprobs import TokenLogprob
 from .openai_api import APIError, ParsedRequest, error_body, parse_request
 from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_json
-from .openai_responses import SSE_DONE, ResponseShape, finish_reason, sse
+from .openai_responses import SSE_DONE, ResponseShape, finish_reason, sse, tool_calls_json
 from .pair import GenerationConfig, GenerationResult
 from .server_http import Bridge, GenerationStream, read_json
+from .tool_calls import ToolCall, ToolFormat, ToolInputError, ToolStream
+from .tool_prompt import ToolPlan, has_tool_turns
 
 if TYPE_CHECKING:
     from .server import ServerState
@@ -60,27 +62,63 @@ async def complete(request: Request, state: ServerState, kind: str) -> Response:
                             f"but this server takes at most {most} in one request (its "
                             "--max-batch + --max-queue); send fewer at a time",
                        param="n" if parsed.n > 1 else "prompt")
-    configs = await run_in_threadpool(_fit_all, state, parsed)
+    fitted = await run_in_threadpool(_fit_all, state, parsed)
     shape = ResponseShape.new(kind, state.defaults.model)
     bridge = Bridge(asyncio.get_running_loop())
-    choices = _submit(state, parsed, configs, bridge)
+    choices = _submit(state, parsed, fitted, bridge)
+    tools = fitted.plan.fmt if fitted.plan is not None and fitted.plan.parses_calls else None
     if parsed.stream:
-        return GenerationStream(_events(shape, bridge, parsed, state, choices),
+        return GenerationStream(_events(shape, bridge, parsed, state, choices, tools),
                                 on_close=lambda: _cancel(state, choices))
     results = await _collect(request, bridge, choices, state)
     token_bytes = state.pair.tokenizer.token_bytes
     return JSONResponse(shape.body([
         (result, _result_logprobs(kind, parsed, choice, result, token_bytes),
          _echo_text(state, choice) if parsed.echo else "")
-        for choice, result in zip(choices, results, strict=True)]))
+        for choice, result in zip(choices, results, strict=True)],
+        tools=[tools.parse(r.text) for r in results] if tools is not None else ()))
 
 
-def _fit_all(state: ServerState, parsed: ParsedRequest) -> list[GenerationConfig]:
+@dataclass(frozen=True)
+class _Fitted:
+    """A request's prompts as submitted (a tool-calling conversation as its rendered ids),
+    each one's config, and how its replies are read for tool calls (None: plain text)."""
+
+    prompts: list[Prompt]
+    configs: list[GenerationConfig]
+    plan: ToolPlan | None
+
+
+def _tool_prompt(state: ServerState, parsed: ParsedRequest
+                 ) -> tuple[list[Prompt], GenerationConfig, ToolPlan | None]:
+    """A chat request with tools or tool turns: its messages rendered with the tools, and the
+    grammar of a reply of calls only ("required" or a named function)."""
+    messages = cast(list[dict[str, Any]], parsed.prompt)  # chat: the checked messages
+    if parsed.kind != "chat" or not (parsed.tools or has_tool_turns(messages)):
+        return list(parsed.prompts), parsed.config, None
+    try:
+        plan = ToolPlan.for_tokenizer(state.pair.tokenizer, parsed.tools)
+        grammar = plan.grammar
+        ids = plan.prompt_ids(state.pair.tokenizer, messages)
+    except ToolInputError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    except InputError as exc:
+        param = "tools" if "does not compile" in str(exc) else "messages"
+        raise APIError(400, state.public(str(exc)), param=param) from None
+    if grammar is not None and parsed.config.grammar is not None:
+        raise APIError(400, "give either a tool_choice that forces calls or a structured-"
+                            "output field (response_format, ...), not both",
+                       param="tool_choice")
+    return [ids], replace(parsed.config, grammar=grammar or parsed.config.grammar), plan
+
+
+def _fit_all(state: ServerState, parsed: ParsedRequest) -> _Fitted:
     """Each prompt's config, its completion fitted into the context (off the event loop).
 
     Raises:
-        APIError: 400 for a prompt the chat template refuses, one too long for the context, or
-            a logit bias or stop token id outside the vocabulary.
+        APIError: 400 for a prompt the chat template refuses, one too long for the context,
+            tools that do not compile, or a logit bias or stop token id outside the
+            vocabulary.
     """
     vocab = state.pair.target.spec.vocab_size
     for param, ids in (("logit_bias", [t for t, _ in parsed.config.sampling.logit_bias]),
@@ -89,25 +127,26 @@ def _fit_all(state: ServerState, parsed: ParsedRequest) -> list[GenerationConfig
             raise APIError(400, f"{param} names token id {outside[0]}, but this model's "
                                 f"vocabulary has {vocab} ids (0..{vocab - 1})", param=param)
     param = "messages" if parsed.kind == "chat" else "prompt"
+    prompts, config, plan = _tool_prompt(state, parsed)
     configs = []
-    for prompt in parsed.prompts:
+    for prompt in prompts:
         try:
             ids = state.pair.encode_prompt(prompt)
-            context = state.scheduler.context(parsed.config)
+            context = state.scheduler.context(config)
         except InputError as exc:
             raise APIError(400, state.public(str(exc)), param=param) from None
         room = context - len(ids)
-        asked = parsed.config.max_new_tokens
+        asked = config.max_new_tokens
         if room < 1 or (parsed.max_tokens_given and asked > room):
             raise APIError(400, f"This model's maximum context length is {context} tokens; the "
                                 f"prompt has {len(ids)} tokens"
                                 + (f" and {asked} more were requested." if room >= 1 else "."),
                            param=param, code="context_length_exceeded")
-        configs.append(replace(parsed.config, max_new_tokens=min(asked, room)))
-    return configs
+        configs.append(replace(config, max_new_tokens=min(asked, room)))
+    return _Fitted(prompts, configs, plan)
 
 
-def _submit(state: ServerState, parsed: ParsedRequest, configs: Sequence[GenerationConfig],
+def _submit(state: ServerState, parsed: ParsedRequest, fitted: _Fitted,
             bridge: Bridge) -> list[_Choice]:
     """One job per prompt, its events tagged with its choice's index.
 
@@ -117,7 +156,7 @@ def _submit(state: ServerState, parsed: ParsedRequest, configs: Sequence[Generat
     score = parsed.config.logprobs if parsed.echo else None  # the echoed prompt's logprobs
     choices: list[_Choice] = []
     try:
-        for p, (prompt, config) in enumerate(zip(parsed.prompts, configs, strict=True)):
+        for p, (prompt, config) in enumerate(zip(fitted.prompts, fitted.configs, strict=True)):
             for j in range(parsed.n):  # OpenAI's order: prompt by prompt, n choices each
                 i = p * parsed.n + j
 
@@ -178,11 +217,16 @@ def _result_logprobs(kind: str, parsed: ParsedRequest, choice: _Choice,
         kind, result.logprobs, token_bytes, before=_prompt_bytes(choice, token_bytes)))
 
 
-async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest,
-                  state: ServerState, choices: Sequence[_Choice]) -> AsyncIterator[bytes]:
-    """The server-sent events of a streamed request, each choice's chunks as they come."""
+async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest, state: ServerState,
+                  choices: Sequence[_Choice], tools: ToolFormat | None
+                  ) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed request, each choice's chunks as they come (a
+    reply read for tool calls: its text as it is known not to open a call, and each call as
+    it closes)."""
     wants = parsed.config.logprobs is not None
     token_bytes = state.pair.tokenizer.token_bytes
+    streams = {c.index: ToolStream(tools) for c in choices} if tools is not None else {}
+    called: dict[int, int] = {}  # calls sent, by choice
 
     def logprobs(choice: _Choice, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if not wants:
@@ -191,6 +235,17 @@ async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest,
         for e in entries:
             choice.sent.extend(token_bytes(e.token))
         return out
+
+    def delta(index: int, text: str, found: Sequence[ToolCall],
+              lp: dict[str, Any] | None) -> Iterator[bytes]:
+        if text or (lp is not None and not found):
+            yield shape.chunk(text or None, logprobs=lp, index=index)
+            lp = None
+        if found:
+            first = called.get(index, 0)
+            called[index] = first + len(found)
+            yield shape.chunk(None, logprobs=lp, index=index,
+                              calls=tool_calls_json(found, first, chunk=True))
 
     if shape.kind == "chat":  # each choice's opening chunk
         for choice in choices:
@@ -212,11 +267,20 @@ async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest,
             yield shape.chunk(_echo_text(state, choice), logprobs=echoed, index=index)
         if isinstance(event, Delta):
             choice.told += len(event.logprobs)
-            yield shape.chunk(event.text, logprobs=logprobs(choice, event.logprobs), index=index)
+            text, found = streams[index].feed(event.text) if streams else (event.text, [])
+            for chunk in delta(index, text, found, logprobs(choice, event.logprobs)):
+                yield chunk
         elif isinstance(event, Finished):
             rest = (event.result.logprobs or [])[choice.told:]  # tokens no delta carried
-            yield shape.chunk(None, finish_reason(event.result.stop_reason),
-                              logprobs(choice, rest) if rest else None, index=index)
+            lp = logprobs(choice, rest) if rest else None
+            if streams:
+                text, found = streams[index].finish()
+                for chunk in delta(index, text, found, lp if text or found else None):
+                    yield chunk
+                lp = None if text or found else lp
+            yield shape.chunk(None, finish_reason(event.result.stop_reason,
+                                                  called.get(index, 0) > 0),
+                              lp, index=index)
             results[index] = event.result
     else:
         if parsed.include_usage:

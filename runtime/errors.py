@@ -22,6 +22,14 @@ class InputError(SpecEdgeError):
     """A user-supplied argument (prompt, parameter, path) is invalid."""
 
 
+class FieldError(InputError):
+    """A field of a request that is invalid (`param` names it, as OpenAI's errors do)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ModelError(SpecEdgeError):
     """A model misbehaved at run time (NaN/inf logits, failed session)."""
 

@@ -6,7 +6,7 @@ Follows the OpenAI API reference (https://platform.openai.com/docs/api-reference
 `POST /v1/completions`, and the error body `{"error": {"message", "type", "param", "code"}}`.
 
 Pure functions and frozen dataclasses only: no HTTP, no decoding. Fields that would change what
-a client gets back (`best_of`, `tools`, `suffix`, ...) are refused
+a client gets back (`best_of`, `suffix`, ...) are refused
 with a 400 naming the field; unknown fields that change nothing are ignored, as OpenAI does.
 `logprobs` (chat: with `top_logprobs` 0..20; completions: 0..5) returns the target's
 log-probability of every generated token (`runtime/logprobs`), in each API's own shape
@@ -16,6 +16,8 @@ logprobs, first). `logit_bias`, the presence and frequency penalties and vLLM's
 (`runtime/penalties`); `response_format` (JSON object or schema) and vLLM's
 `structured_outputs` constrain the output to a grammar (`runtime/structured_api`); vLLM's
 `min_tokens`, `ignore_eos` and `stop_token_ids` decide where the completion may end.
+Chat requests take `tools`, `tool_choice` and `parallel_tool_calls` (`runtime/tool_calls`),
+and conversations with earlier calls and tool results (`runtime/openai_messages`).
 """
 
 from __future__ import annotations
@@ -24,18 +26,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError
+from .errors import FieldError, InputError
 from .generation import prompt_ids
 from .logprobs import MAX_TOP_LOGPROBS
+from .openai_messages import messages_field as _messages
 from .pair import GenerationConfig, Prompt
 from .policy import DRAFTER_CHOICES
 from .sampling import SamplingParams, logit_bias_from_json
 from .structured_api import StructuredFieldError, grammar_field
+from .tool_calls import ToolSet
 
 __all__ = ["APIError", "ParsedRequest", "RequestDefaults", "error_body", "messages_field",
            "parse_request"]
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOPS = 16
 
 
@@ -86,13 +89,14 @@ class ParsedRequest:
 
     Attributes:
         kind: "chat" (messages through the chat template) or "text" (plain prompts).
-        prompts: the messages as `{"role", "content"}` dicts (chat), or each prompt's text or
-            token ids (completions: one choice each, in order).
+        prompts: the messages as `{"role", "content"}` dicts (chat; with their tool calls),
+            or each prompt's text or token ids (completions: one choice each, in order).
         config: what to generate; `max_new_tokens` is the request's or the server's limit.
         max_tokens_given: whether the request set `max_tokens` itself.
         stream, include_usage: server-sent events, and a final usage chunk.
         echo: the completion's text (and logprobs) start with the prompt's (completions only).
         n: choices per prompt (a seeded request's choice j samples with seed + j).
+        tools: the tools offered and how the reply may use them (chat; None: no tools).
     """
 
     kind: str
@@ -103,6 +107,7 @@ class ParsedRequest:
     include_usage: bool
     echo: bool = False
     n: int = 1
+    tools: ToolSet | None = None
 
     @property
     def prompt(self) -> Prompt:
@@ -158,7 +163,7 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
 # Fields that would change what the client gets back, and the values that change nothing.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "functions": (None, []),
     "function_call": (None, "none"),
     "suffix": (None, ""), "audio": (None,), "prediction": (None,),
     "modalities": (None, ["text"]),
@@ -173,44 +178,32 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
                        code="unsupported_parameter")
 
 
-def _content(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise _bad(where, "only text content parts ({'type': 'text', 'text': ...}) are "
-                                  "supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _bad(where, f"expected a string or a list of text parts, got {_short(value)}")
-
-
-def messages_field(value: Any) -> list[dict[str, str]]:
-    """A request's `messages`: role and text content of each, checked.
+def messages_field(value: Any) -> list[dict[str, Any]]:
+    """A request's `messages`, checked (`runtime/openai_messages`).
 
     Raises:
         APIError: 400 naming the message and field at fault.
     """
-    if not isinstance(value, list) or not value:
-        raise _bad("messages", "expected a non-empty list of messages")
-    out = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise _bad(where, f"expected an object, got {_short(message)}")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise _bad(f"{where}.role", f"expected one of {', '.join(ROLES)}, got "
-                                        f"{_short(role)}")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise _bad(f"{where}.tool_calls", "tool calls are not supported",
-                       code="unsupported_parameter")
-        out.append({"role": ROLES[role],
-                    "content": _content(message.get("content"), f"{where}.content")})
-    return out
+    try:
+        return _messages(value)
+    except FieldError as exc:
+        raise _bad(exc.param, str(exc)) from None
+
+
+def _tools(kind: str, body: Mapping[str, Any]) -> ToolSet | None:
+    """The request's `tools`, `tool_choice` and `parallel_tool_calls` (None: no tools)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise _bad("tool_choice", "needs tools")
+        return None
+    if kind != "chat":
+        raise _bad("tools", "only the chat API (/v1/chat/completions) takes tools",
+                   code="unsupported_parameter")
+    try:
+        return ToolSet.from_openai(tools, choice, body.get("parallel_tool_calls"))
+    except FieldError as exc:
+        raise _bad(exc.param, str(exc)) from None
 
 
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -390,4 +383,4 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
                    code="unsupported_parameter")
     n = _int(body, "n", 1, MAX_N) or 1
     return ParsedRequest(kind, prompts, config, max_tokens is not None, stream, include_usage,
-                         echo, n)
+                         echo, n, _tools(kind, body))

@@ -12,16 +12,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from .generation import GenerationResult
+from .tool_calls import ToolCall, ToolOutput
 
-__all__ = ["SSE_DONE", "ResponseShape", "finish_reason", "sse", "usage"]
+__all__ = ["SSE_DONE", "ResponseShape", "finish_reason", "sse", "tool_calls_json", "usage"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 _FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
 
 
-def finish_reason(stop_reason: str) -> str:
-    """OpenAI's finish_reason for a specedge stop reason."""
-    return _FINISH.get(stop_reason, "stop")
+def finish_reason(stop_reason: str, called: bool = False) -> str:
+    """OpenAI's finish_reason for a specedge stop reason ("tool_calls" when a reply that
+    ended by itself made calls)."""
+    reason = _FINISH.get(stop_reason, "stop")
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def tool_calls_json(calls: Sequence[ToolCall], first: int = 0, *, chunk: bool = False
+                    ) -> list[dict[str, Any]]:
+    """Calls as a message's `tool_calls` (each with a new id); a stream's chunks also number
+    them within the reply, from `first`."""
+    return [{**({"index": first + i} if chunk else {}), "id": "call_" + uuid.uuid4().hex[:24],
+             "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)]
 
 
 def usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
@@ -62,34 +74,48 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def _choice(self, index: int, text: str | None, finish: str | None, chunk: bool,
-                logprobs: dict[str, Any] | None) -> dict[str, Any]:
+                logprobs: dict[str, Any] | None,
+                calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.kind == "text":
             return {"index": index, "text": text or "", "logprobs": logprobs,
                     "finish_reason": finish}
         if not chunk:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": finish}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = calls
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish}
         delta: dict[str, Any] = {} if text is None else {"content": text}
         if text == "":  # the opening chunk
             delta = {"role": "assistant", "content": ""}
+        if calls:
+            delta["tool_calls"] = calls
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-    def body(self, choices: Sequence[tuple[GenerationResult, dict[str, Any] | None, str]]
-             ) -> dict[str, Any]:
+    def body(self, choices: Sequence[tuple[GenerationResult, dict[str, Any] | None, str]],
+             tools: Sequence[ToolOutput | None] = ()) -> dict[str, Any]:
         """The whole (non-streaming) response: per choice, its result, its logprobs (see
-        `openai_logprobs`) and the echoed prompt its text starts with ("" without echo)."""
-        return {**self._head(False),
-                "choices": [self._choice(i, echo + result.text,
-                                         finish_reason(result.stop_reason), False, logprobs)
-                            for i, (result, logprobs, echo) in enumerate(choices)],
+        `openai_logprobs`) and the echoed prompt its text starts with ("" without echo); and,
+        for a chat reply read for tool calls, its text and calls (`tools`, by choice)."""
+        out = []
+        for i, (result, logprobs, echo) in enumerate(choices):
+            found = tools[i] if i < len(tools) else None
+            text = echo + result.text if found is None else found.content
+            called = found is not None and bool(found.calls)
+            out.append(self._choice(i, text, finish_reason(result.stop_reason, called), False,
+                                    logprobs, tool_calls_json(found.calls) if called and found
+                                    else None))
+        return {**self._head(False), "choices": out,
                 "usage": usage([result for result, _, _ in choices])}
 
     def chunk(self, text: str | None, finish: str | None = None,
-              logprobs: dict[str, Any] | None = None, index: int = 0) -> bytes:
+              logprobs: dict[str, Any] | None = None, index: int = 0,
+              calls: list[dict[str, Any]] | None = None) -> bytes:
         """One SSE event of choice `index`: a text delta ("" opens a chat stream; None with a
-        finish_reason), with the logprobs of the tokens it adds (see `openai_logprobs`)."""
+        finish_reason or calls), with the logprobs of the tokens it adds (see
+        `openai_logprobs`) and the tool calls it completes (`tool_calls_json(chunk=True)`)."""
         return sse({**self._head(True),
-                    "choices": [self._choice(index, text, finish, True, logprobs)]})
+                    "choices": [self._choice(index, text, finish, True, logprobs, calls)]})
 
     def usage_chunk(self, results: Sequence[GenerationResult]) -> bytes:
         """The final SSE event of `stream_options.include_usage`: no choices, the usage."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import InputError
+from .errors import FieldError, InputError
 from .grammar import Grammar
 
 __all__ = ["StructuredFieldError", "grammar_field"]
@@ -25,12 +25,8 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _VLLM_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-class StructuredFieldError(InputError):
+class StructuredFieldError(FieldError):
     """A structured-output field the request got wrong (`param` names it)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def grammar_field(body: Mapping[str, Any]) -> Grammar | None:

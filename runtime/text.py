@@ -386,8 +386,14 @@ class Tokenizer:
             self._compiled = ChatTemplate(self._chat_template)
         return self._compiled
 
+    @property
+    def chat_takes_tools(self) -> bool:
+        """The chat template renders a `tools` list itself (a tool-calling model's template)."""
+        return self._template().takes_tools
+
     def render_chat(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Renders chat messages with the pair's chat template.
 
@@ -401,6 +407,7 @@ class Tokenizer:
             messages: A non-empty sequence of `{"role": str, "content": str}` mappings (other
                 keys are passed through to the template).
             add_generation_prompt: End with the header of an assistant turn.
+            tools: The tools offered, as OpenAI writes them (`runtime/tool_prompt`).
 
         Returns:
             The prompt text.
@@ -412,16 +419,18 @@ class Tokenizer:
         return self._template().render(
             messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._bos_token or "", eos_token=self._eos_token or "",
-            max_chars=self.max_chars)
+            max_chars=self.max_chars, tools=tools)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Renders chat messages and encodes the result as-is (no extra special tokens).
 
         Args:
             messages: See `render_chat`.
             add_generation_prompt: See `render_chat`.
+            tools: See `render_chat`.
 
         Returns:
             The prompt ids.
@@ -429,7 +438,8 @@ class Tokenizer:
         Raises:
             InputError: See `render_chat`; or the template rendered no tokens.
         """
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                tools=tools)
         ids = self.encode(text, add_special_tokens=False)
         if not ids:
             raise InputError("the chat template rendered these messages as no tokens; fix the "

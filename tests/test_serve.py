@@ -433,7 +433,7 @@ def test_tokenizer_routes(served: Served) -> None:
                                   ("/tokenize", {"prompt": 5}, "prompt"),
                                   ("/tokenize", {"prompt": "a", "add_special_tokens": 1},
                                    "add_special_tokens"),
-                                  ("/tokenize", {"messages": [{"role": "tool"}]},
+                                  ("/tokenize", {"messages": [{"role": "robot"}]},
                                    "messages[0].role"),
                                   ("/detokenize", {"tokens": [10**7]}, "tokens"),
                                   ("/detokenize", {"tokens": "12"}, "tokens")):
@@ -716,8 +716,8 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
         ("an empty token-id prompt", {"model": model, "prompt": [[1, 2], []]}, 400, "prompt"),
         ("mixed prompt", {"model": model, "prompt": [1, "a"]}, 400, "prompt"),
         ("token id outside the vocabulary", {"model": model, "prompt": [10**7]}, 400, "prompt"),
-        ("tools", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-         "tools"),
+        ("a tool without a valid name", {**chat, "tools": [
+            {"type": "function", "function": {"name": "a b"}}]}, 400, "tools[0].function.name"),
         ("response_format xml", {**chat, "response_format": {"type": "xml"}}, 400,
          "response_format"),
         ("json_schema without a schema", {**chat, "response_format": {
@@ -743,7 +743,7 @@ def _bad_cases(model: str) -> list[tuple[str, Any, int, str | None]]:
         ("zero max_completion_tokens", {**chat, "max_completion_tokens": 0}, 400,
          "max_completion_tokens"),
         ("empty messages", {**chat, "messages": []}, 400, "messages"),
-        ("tool role", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400,
+        ("unknown role", {**chat, "messages": [{"role": "function", "content": "x"}]}, 400,
          "messages[0].role"),
         ("image part", {**chat, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),

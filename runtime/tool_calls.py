@@ -1,0 +1,363 @@
+"""Tool (function) calling: the tools a request offers, the calls a reply makes, and the
+grammar that makes a reply nothing but calls.
+
+Follows OpenAI's chat API (`tools`, `tool_choice`, `parallel_tool_calls`; a call's `arguments`
+is JSON text) and the two call syntaxes small open models are trained on, as data
+(`ToolFormat`): Hermes-style `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
+(Qwen2.5 and Qwen3, SmolLM3, Hermes; and specedge's own prompt for templates that take no
+tools, `runtime/tool_prompt`), and Llama 3's bare `{"name": ..., "parameters": {...}}`.
+
+`tool_choice` "required" or a named function makes the reply calls only: a grammar (one JSON
+schema per tool, its `parameters` as the arguments' schema, llguidance's `%json` in a Lark
+grammar) constrains decoding, so speculation stays exact (`runtime/grammar`) and every call
+parses and fits its schema. "auto" decodes freely and finds the calls in the text; "none"
+shows the model no tools. `ToolStream` finds them in a streamed reply, holding back only text
+that may open a call; it gives what `parse` gives on the whole text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import FieldError
+from .grammar import Grammar
+
+__all__ = ["HERMES", "LLAMA3_JSON", "TOOL_FORMATS", "Tool", "ToolCall", "ToolFormat",
+           "ToolInputError", "ToolOutput", "ToolSet", "ToolStream"]
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class ToolInputError(FieldError):
+    """A `tools` / `tool_choice` value a request got wrong (`param` names the field)."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One function the model may call: its name, description and the JSON schema of its
+    arguments (as JSON text)."""
+
+    name: str
+    description: str = ""
+    parameters: str = json.dumps(_NO_PARAMETERS)
+
+    def openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's API and chat templates write it."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = json.loads(self.parameters)
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolSet:
+    """The tools of a request and how the reply may use them.
+
+    Attributes:
+        tools: the functions offered.
+        choice: "auto" (the model decides), "none" (no calls), "required" (calls only), or the
+            name of the one function the reply must call.
+        parallel: a reply may make several calls.
+    """
+
+    tools: tuple[Tool, ...]
+    choice: str = "auto"
+    parallel: bool = True
+
+    @classmethod
+    def from_openai(cls, tools: Any, tool_choice: Any = None,
+                    parallel_tool_calls: Any = None) -> ToolSet:
+        """Checks OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`.
+
+        Raises:
+            ToolInputError: naming the field at fault (a tool without a valid name, a
+                duplicate, parameters that are not a JSON schema object, an unknown choice).
+        """
+        if not isinstance(tools, list) or not 0 < len(tools) <= MAX_TOOLS:
+            raise ToolInputError("tools", f"expected a list of 1 to {MAX_TOOLS} tools")
+        parsed = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
+        names = [t.name for t in parsed]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ToolInputError("tools", f"two tools are named {dup!r}; names must differ")
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ToolInputError("parallel_tool_calls", "expected true or false")
+        return cls(parsed, _choice(tool_choice, names), parallel_tool_calls is not False)
+
+    def openai(self) -> list[dict[str, Any]]:
+        return [t.openai() for t in self.tools]
+
+    def forced(self) -> tuple[Tool, ...]:
+        """The tools a reply must call one of ("required" or a named function); () when the
+        reply is free ("auto", "none")."""
+        if self.choice in ("auto", "none"):
+            return ()
+        return tuple(t for t in self.tools if self.choice in ("required", t.name))
+
+
+def _tool(value: Any, where: str) -> Tool:
+    function = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or value.get("type", "function") != "function" or \
+            not isinstance(function, dict):
+        raise ToolInputError(where, "expected {'type': 'function', 'function': {'name': ..., "
+                                    "'parameters': {...}}}")
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ToolInputError(f"{where}.function.name", "expected 1 to 64 letters, digits, _ "
+                                                       "or -")
+    description = function.get("description") or ""
+    if not isinstance(description, str):
+        raise ToolInputError(f"{where}.function.description", "expected a string")
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = _NO_PARAMETERS
+    if not isinstance(parameters, dict):
+        raise ToolInputError(f"{where}.function.parameters", "expected a JSON schema object")
+    return Tool(name, description, json.dumps(parameters, ensure_ascii=False))
+
+
+def _choice(value: Any, names: Sequence[str]) -> str:
+    if value is None:
+        return "auto"
+    if value in ("auto", "none", "required"):
+        return str(value)
+    function = value.get("function") if isinstance(value, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(name, str):
+        if name not in names:
+            raise ToolInputError("tool_choice", f"names function {name!r}, which is not one of "
+                                                "the tools")
+        return name
+    raise ToolInputError("tool_choice", "expected 'auto', 'none', 'required' or {'type': "
+                                        "'function', 'function': {'name': ...}}")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call a reply makes: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """A reply split into its text (None when there is none) and its calls."""
+
+    content: str | None
+    calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model family writes tool calls.
+
+    Attributes:
+        name: the format's name.
+        call_open, call_close: the text around each call ("" for a bare JSON object).
+        separator: between two calls of one reply.
+        arguments_key: the key of a call's arguments in its JSON object.
+        parallel: the format may hold several calls in one reply.
+        markers: text in a chat template that says its model writes this format.
+    """
+
+    name: str
+    call_open: str
+    call_close: str
+    separator: str
+    arguments_key: str
+    parallel: bool = True
+    markers: tuple[str, ...] = field(default=(), compare=False)
+
+    def write(self, call: ToolCall) -> str:
+        """The text of one call in this format (what the model writes)."""
+        try:
+            arguments = json.loads(call.arguments) if call.arguments.strip() else {}
+        except ValueError:  # a client's malformed arguments: written as the text they are
+            arguments = call.arguments
+        body = json.dumps({"name": call.name, self.arguments_key: arguments},
+                          ensure_ascii=False)
+        return self.call_open + body + self.call_close
+
+    def grammar(self, tools: Sequence[Tool], parallel: bool) -> Grammar:
+        """A reply of calls only, one of `tools` each (several when `parallel` and the format
+        allows it), each arguments object fitting its tool's schema.
+
+        Raises:
+            InputError: a tool's parameters schema that llguidance cannot compile.
+        """
+        objects = [{"type": "object",
+                    "properties": {"name": {"const": t.name},
+                                   self.arguments_key: json.loads(t.parameters)},
+                    "required": ["name", self.arguments_key], "additionalProperties": False}
+                   for t in tools]
+        schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
+        body = json.dumps({**schema, "x-guidance": _JSON_STYLE}, ensure_ascii=False)
+        call = " ".join([json.dumps(self.call_open)] * bool(self.call_open) + ["obj"]
+                        + [json.dumps(self.call_close)] * bool(self.call_close))
+        start = "call"
+        if parallel and self.parallel:
+            start = f"call ({json.dumps(self.separator)} call)*"
+        return Grammar("grammar", f"start: {start}\ncall: {call}\nobj: %json {body}\n")
+
+    def parse(self, text: str) -> ToolOutput:
+        """The calls in a whole reply, and its text outside them (stripped; None if empty). A
+        call that is not a JSON object with a string name stays text."""
+        if not self.call_open:
+            return self._parse_bare(text)
+        calls: list[ToolCall] = []
+        content: list[str] = []
+        pos = 0
+        while (start := text.find(self.call_open, pos)) >= 0:
+            content.append(text[pos:start])
+            end = text.find(self.call_close, start + len(self.call_open))
+            stop = len(text) if end < 0 else end + len(self.call_close)
+            call = self.call_from(text[start + len(self.call_open):end if end >= 0 else len(text)])
+            if call is None:
+                content.append(text[start:stop])
+            else:
+                calls.append(call)
+            pos = stop
+        content.append(text[pos:])
+        return ToolOutput("".join(content).strip() or None, tuple(calls))
+
+    def _parse_bare(self, text: str) -> ToolOutput:
+        stripped = text.strip()
+        calls: list[ToolCall] = []
+        pos, decoder = 0, json.JSONDecoder()
+        while stripped.startswith("{", pos):
+            try:
+                obj, pos = decoder.raw_decode(stripped, pos)
+            except ValueError:
+                break
+            call = self._call_object(obj)
+            if call is None:
+                break
+            calls.append(call)
+            rest = stripped[pos:].lstrip()
+            sep = self.separator.strip()
+            if sep and rest.startswith(sep):
+                rest = rest[len(sep):].lstrip()
+            pos = len(stripped) - len(rest)
+        if calls and pos == len(stripped):
+            return ToolOutput(None, tuple(calls))
+        return ToolOutput(stripped or None)
+
+    def call_from(self, body: str) -> ToolCall | None:
+        """The call a JSON text between `call_open` and `call_close` makes (None: none)."""
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        return self._call_object(obj)
+
+    def _call_object(self, obj: Any) -> ToolCall | None:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        arguments = obj.get(self.arguments_key, obj.get("arguments", {}))
+        return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments",
+                    markers=("<tool_call>",))
+LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters", parallel=False,
+                         markers=("<|start_header_id|>",))
+TOOL_FORMATS = (HERMES, LLAMA3_JSON)  # the first whose marker a template holds; else Hermes
+
+
+class ToolStream:
+    """Finds the calls in a reply as its text arrives (`feed` each delta, then `finish`).
+
+    Text that may open a call is held back, and so is whitespace at either end of the reply's
+    text, so the content and calls given out add up to what `ToolFormat.parse` finds in the
+    whole reply.
+    """
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self._buffer = ""  # text not decided yet
+        self._started = False  # some content was given out
+        self._held = ""  # whitespace after the content given out (sent once text follows)
+        self._bare: bool | None = None  # a bare format: the reply is calls (True) or text
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        """Content to send now, and the calls `text` completed."""
+        self._buffer += text
+        if not self.fmt.call_open:
+            return self._feed_bare()
+        opening, closing = self.fmt.call_open, self.fmt.call_close
+        content, calls = "", list[ToolCall]()
+        while True:
+            start = self._buffer.find(opening)
+            if start < 0:
+                keep = _partial_suffix(self._buffer, opening)
+                content += self._give(self._buffer[:len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return content, calls
+            content += self._give(self._buffer[:start])
+            self._buffer = self._buffer[start:]
+            end = self._buffer.find(closing, len(opening))
+            if end < 0:
+                return content, calls
+            stop = end + len(closing)
+            call = self.fmt.call_from(self._buffer[len(opening):end])
+            if call is None:
+                content += self._give(self._buffer[:stop])
+            else:
+                calls.append(call)
+            self._buffer = self._buffer[stop:]
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The rest: text held back, and a call the reply left open (when it parses)."""
+        rest, self._buffer = self._buffer, ""
+        if not self.fmt.call_open:
+            if not self._bare:
+                return self._give(rest), []
+            found = self.fmt.parse(rest)
+            return self._give(found.content or ""), list(found.calls)
+        if rest.startswith(self.fmt.call_open):
+            call = self.fmt.call_from(rest[len(self.fmt.call_open):])
+            if call is not None:
+                return "", [call]
+        return self._give(rest), []
+
+    def _feed_bare(self) -> tuple[str, list[ToolCall]]:
+        if self._bare is None:
+            if not self._buffer.strip():
+                return "", []
+            self._bare = self._buffer.lstrip().startswith("{")
+        if self._bare:
+            return "", []  # calls, or text that starts like one: decided at the end
+        text, self._buffer = self._buffer, ""
+        return self._give(text), []
+
+    def _give(self, text: str) -> str:
+        """`text` as content to send: whitespace before the first content is dropped, and
+        whitespace after the last is held until more content follows."""
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._started = True
+        body = text.rstrip()
+        if not body:
+            self._held += text
+            return ""
+        out, self._held = self._held + body, text[len(body):]
+        return out
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

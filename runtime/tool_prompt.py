@@ -1,0 +1,149 @@
+"""A tool-calling conversation into a prompt, and how its reply is read (`ToolPlan`).
+
+A chat template that names `tools` renders them itself, as its model was trained: the tools as
+OpenAI writes them, and earlier calls as messages' `tool_calls` with their arguments as objects
+(as transformers' `apply_chat_template` passes them); its call syntax is the `ToolFormat` whose
+marker the template holds (`runtime/tool_calls`). A template that takes no tools gets them in
+its system message, with the Hermes call syntax explained, and earlier calls and tool results
+as text, so any chat model can be offered tools (how well it uses them is the model's).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .grammar import Grammar
+from .text import Tokenizer
+from .tool_calls import HERMES, TOOL_FORMATS, ToolCall, ToolFormat, ToolSet
+
+__all__ = ["ToolPlan", "has_tool_turns"]
+
+_SYSTEM = """Functions you may call:
+<tools>
+{tools}
+</tools>
+To call one, reply <tool_call>
+{{"name": <name>, "arguments": <object>}}
+</tool_call>"""
+
+
+def has_tool_turns(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """The conversation holds earlier calls or tool results."""
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one pair's chat template takes tools, and the request's tools.
+
+    Attributes:
+        fmt: the call syntax the model writes.
+        native: the chat template renders tools itself (else specedge's system message does).
+        tools: the request's tools (None: a conversation with tool turns but no tools now).
+    """
+
+    fmt: ToolFormat
+    native: bool
+    tools: ToolSet | None = None
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, tools: ToolSet | None) -> ToolPlan:
+        """The plan for a pair's chat template (`pair.tokenizer`).
+
+        Raises:
+            InputError: the pair has no chat template, or it does not compile.
+        """
+        native = tokenizer.chat_takes_tools
+        source = tokenizer.chat_template or ""
+        fmt = next((f for f in TOOL_FORMATS if any(m in source for m in f.markers)), HERMES) \
+            if native else HERMES
+        return cls(fmt, native, tools)
+
+    @property
+    def shown(self) -> ToolSet | None:
+        """The tools the prompt shows ("none" shows none: the reply is text)."""
+        return None if self.tools is None or self.tools.choice == "none" else self.tools
+
+    @property
+    def grammar(self) -> Grammar | None:
+        """The grammar of a reply of calls only ("required" or a named function), else None.
+
+        Raises:
+            InputError: a tool's parameters schema that does not compile.
+        """
+        forced = self.tools.forced() if self.tools is not None else ()
+        return self.fmt.grammar(forced, self.tools.parallel) if self.tools and forced else None
+
+    @property
+    def parses_calls(self) -> bool:
+        """The reply is read for calls (tools are offered and the choice is not "none")."""
+        return self.shown is not None
+
+    def messages(self, messages: Sequence[Mapping[str, Any]]
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and the `tools` the chat template gets."""
+        shown = self.shown
+        if self.native:
+            return [_native(m) for m in messages], shown.openai() if shown else None
+        out = [_as_text(m) for m in messages]
+        if shown is not None:
+            listing = "\n".join(json.dumps(t["function"], ensure_ascii=False)
+                                for t in shown.openai())
+            system = _SYSTEM.format(tools=listing)
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
+            else:
+                out.insert(0, {"role": "system", "content": system})
+        return out, None
+
+    def prompt_ids(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]
+                   ) -> list[int]:
+        """The prompt's token ids.
+
+        Raises:
+            InputError: the chat template refuses the messages or tools.
+        """
+        rendered, tools = self.messages(messages)
+        return tokenizer.encode_chat(rendered, tools=tools)
+
+
+def _calls(message: Mapping[str, Any]) -> list[tuple[ToolCall, Mapping[str, Any]]]:
+    out = []
+    for entry in message.get("tool_calls") or []:
+        function = entry.get("function") or {}
+        arguments = function.get("arguments")
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments or {})
+        out.append((ToolCall(str(function.get("name", "")), text), entry))
+    return out
+
+
+def _native(message: Mapping[str, Any]) -> dict[str, Any]:
+    out = {**message, "content": message.get("content") or ""}
+    if calls := _calls(message):
+        out["tool_calls"] = [{**entry, "type": "function",
+                              "function": {"name": call.name,
+                                           "arguments": _object(call.arguments)}}
+                             for call, entry in calls]
+    return out
+
+
+def _object(arguments: str) -> Any:
+    """A call's arguments as templates take them: the object its JSON text holds."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def _as_text(message: Mapping[str, Any]) -> dict[str, Any]:
+    content = message.get("content") or ""
+    if message.get("role") == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+    if calls := _calls(message):
+        written = "\n".join(HERMES.write(call) for call, _ in calls)
+        return {"role": message["role"], "content": f"{content}\n{written}" if content
+                else written}
+    return {"role": message["role"], "content": content}

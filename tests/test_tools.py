@@ -1,0 +1,387 @@
+"""Tool calling: `tools` / `tool_choice` checked, the prompt rendered (a template that takes
+tools, and one that does not), calls forced by a grammar decoded exactly under speculation, and
+found in whole and streamed replies, through the real server and the `openai` client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specedge.runtime.errors import InputError
+from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.sampling import SamplingParams
+from specedge.runtime.server import ServerOptions, create_app
+from specedge.runtime.serving import ContinuousBatch
+from specedge.runtime.text import Tokenizer
+from specedge.runtime.tool_calls import (
+    HERMES,
+    LLAMA3_JSON,
+    ToolCall,
+    ToolFormat,
+    ToolInputError,
+    ToolOutput,
+    ToolSet,
+    ToolStream,
+)
+from specedge.runtime.tool_prompt import ToolPlan
+
+from .test_hardening import pair_copy, rehash
+from .test_serve import FORMS, Served, running
+
+__all__ = ["pair_copy"]  # a fixture, imported for the tests below
+
+WEATHER = {"type": "function", "function": {
+    "name": "weather",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 8}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "time", "parameters": {"type": "object", "additionalProperties": False,
+                                   "required": ["zone"],
+                                   "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+TOOLS = [WEATHER, CLOCK]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+# A Hermes-style template that renders tools itself, as Qwen2.5's does (written for this test).
+NATIVE_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+Tools:
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+Call them inside <tool_call></tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def calls_of(fmt: ToolFormat, text: str) -> list[tuple[str, dict[str, Any]]]:
+    return [(c.name, json.loads(c.arguments)) for c in fmt.parse(text).calls]
+
+
+def fits(name: str, arguments: dict[str, Any]) -> bool:
+    """The arguments fit the tool's schema (the two schemas above, checked by hand)."""
+    if name == "weather":
+        return set(arguments) == {"city"} and isinstance(arguments["city"], str) and \
+            len(arguments["city"]) <= 8
+    return name == "time" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+# ------------------------------------------------------------------------------ the request
+
+
+def test_tools_and_tool_choice_are_checked() -> None:
+    tools = ToolSet.from_openai(TOOLS)
+    assert tools.choice == "auto" and tools.parallel and tools.forced() == ()
+    assert [t.name for t in ToolSet.from_openai(TOOLS, "required").forced()] == \
+        ["weather", "time"]
+    named = ToolSet.from_openai(TOOLS, {"type": "function", "function": {"name": "time"}},
+                                False)
+    assert [t.name for t in named.forced()] == ["time"] and not named.parallel
+    assert ToolSet.from_openai(TOOLS, "none").forced() == ()
+    for tools_value, choice, param in [
+            ([], None, "tools"), ("x", None, "tools"), ([{"type": "code"}], None, "tools[0]"),
+            ([{"type": "function", "function": {"name": "bad name"}}], None,
+             "tools[0].function.name"),
+            ([{"type": "function", "function": {"name": "f", "parameters": []}}], None,
+             "tools[0].function.parameters"),
+            ([WEATHER, WEATHER], None, "tools"),
+            (TOOLS, "sometimes", "tool_choice"),
+            (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice")]:
+        with pytest.raises(ToolInputError) as caught:
+            ToolSet.from_openai(tools_value, choice)
+        assert caught.value.param == param, (tools_value, choice)
+
+
+def test_parse_finds_calls_and_keeps_the_rest_as_text() -> None:
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert HERMES.parse(call) == ToolOutput(None, (ToolCall("f", '{"a": 1}'),))
+    two = HERMES.parse(f"Sure. {call}\n{call} Done.")
+    assert two.content == "Sure. \n Done." and len(two.calls) == 2
+    assert HERMES.parse("no calls here ") == ToolOutput("no calls here")
+    broken = "<tool_call>\nnot json\n</tool_call>"
+    assert HERMES.parse(broken) == ToolOutput(broken)
+    assert HERMES.parse('<tool_call>\n{"name": "f", "arguments": {}}') == \
+        ToolOutput(None, (ToolCall("f", "{}"),))  # cut before its closing tag
+    assert LLAMA3_JSON.parse(' {"name": "f", "parameters": {"x": "y"}}') == \
+        ToolOutput(None, (ToolCall("f", '{"x": "y"}'),))
+    assert LLAMA3_JSON.parse('{"answer": 1}') == ToolOutput('{"answer": 1}')
+    assert LLAMA3_JSON.parse("Hello") == ToolOutput("Hello")
+    for fmt in (HERMES, LLAMA3_JSON):
+        written = ToolCall("weather", '{"city": "Oslo", "days": [1, 2]}')
+        assert fmt.parse(fmt.write(written)).calls == (written,)
+
+
+_PIECES = st.lists(st.sampled_from([
+    "Hi", " ", "\n", "text", "<", "<tool", "tool_call>", "{", "}",
+    '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>',
+    '<tool_call>\n{"name": "g"}\n</tool_call>', "<tool_call>\nbad\n</tool_call>",
+    '{"name": "h", "parameters": {}}', "; ", "</tool_call>"]), max_size=8)
+
+
+@settings(max_examples=400)
+@given(pieces=_PIECES, data=st.data(), fmt=st.sampled_from([HERMES, LLAMA3_JSON]))
+def test_a_streamed_reply_gives_what_the_whole_reply_gives(pieces: list[str], data: Any,
+                                                           fmt: ToolFormat) -> None:
+    text = "".join(pieces)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    bounds = sorted({0, len(text), *cuts})
+    stream, content, calls = ToolStream(fmt), "", []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        more, found = stream.feed(text[a:b])
+        content, calls = content + more, calls + found
+    more, found = stream.finish()
+    whole = fmt.parse(text)
+    assert (content + more or None, tuple(calls + found)) == (whole.content, whole.calls)
+
+
+# ------------------------------------------------------------------------------ the prompt
+
+
+def test_a_template_without_tools_gets_them_in_its_system_message(tiny_pair: Pair) -> None:
+    plan = ToolPlan.for_tokenizer(tiny_pair.tokenizer, ToolSet.from_openai(TOOLS))
+    assert (plan.fmt, plan.native) == (HERMES, False)
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]
+    messages, tools = plan.messages(history)
+    assert tools is None and messages[0]["role"] == "system"
+    assert '"name": "weather"' in messages[0]["content"]
+    assert messages[2]["content"] == HERMES.write(ToolCall("weather", '{"city": "Paris"}'))
+    assert messages[3] == {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>"}
+    text = tiny_pair.tokenizer.decode(plan.prompt_ids(tiny_pair.tokenizer, history),
+                                      skip_special_tokens=False)
+    assert "<tools>" in text and text.endswith("<|im_start|>assistant\n")
+    none = ToolPlan.for_tokenizer(tiny_pair.tokenizer, ToolSet.from_openai(TOOLS, "none"))
+    assert "<tools>" not in tiny_pair.tokenizer.render_chat(none.messages(ASK)[0])
+
+
+def test_a_template_that_takes_tools_renders_them(tiny_pair: Pair) -> None:
+    backend = tiny_pair.tokenizer._backend
+    tokenizer = Tokenizer(backend, chat_template=NATIVE_TEMPLATE, eos_token="<|im_end|>")
+    assert tokenizer.chat_takes_tools
+    plan = ToolPlan.for_tokenizer(tokenizer, ToolSet.from_openai(TOOLS, "required"))
+    assert (plan.fmt, plan.native) == (HERMES, True)
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]
+    messages, tools = plan.messages(history)
+    text = tokenizer.render_chat(messages, tools=tools)
+    assert '"name": "time"' in text  # the tools, as the template lists them
+    # The call's arguments reach the template as an object (as transformers passes them).
+    assert '{"name": "weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\n21 C\n</tool_response>" in text
+
+
+def test_an_arguments_schema_that_does_not_compile_is_a_clear_error() -> None:
+    bad = {"type": "function", "function": {"name": "f",
+                                            "parameters": {"type": "object", "minProperties": -1,
+                                                           "properties": {"a": {"type": 7}}}}}
+    with pytest.raises(InputError, match="does not compile"):
+        HERMES.grammar(ToolSet.from_openai([bad], "required").forced(), True)
+
+
+# ------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_forced_calls_are_exact_under_speculation(fixtures_dir: Path, form: str) -> None:
+    """tool_choice "required" / named: every drafter gives the target-only tokens, greedy and
+    seeded, and every reply is calls that fit their schemas."""
+    pair = Pair.load(fixtures_dir / FORMS[form])
+    for choice in ("required", {"type": "function", "function": {"name": "time"}}):
+        plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(TOOLS, choice))
+        ids = plan.prompt_ids(pair.tokenizer, ASK)
+        for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9,
+                                                                         seed=5)):
+            config = GenerationConfig(max_new_tokens=120, grammar=plan.grammar,
+                                      sampling=sampling)
+            want = pair.generate(ids, replace(config, drafter="none"))
+            for drafter in ("model", "ngram", "hybrid"):
+                got = pair.generate(ids, replace(config, drafter=drafter,
+                                                 num_draft_tokens=3))
+                assert got.tokens == want.tokens, (choice, sampling, drafter)
+            if want.stop_reason == "eos":
+                calls = calls_of(plan.fmt, want.text)
+                assert calls and all(fits(n, a) for n, a in calls), want.text
+                assert choice == "required" or {n for n, _ in calls} == {"time"}
+
+
+def test_forced_calls_in_batches_equal_batch_one(fixtures_dir: Path) -> None:
+    pair = Pair.load(fixtures_dir / FORMS["concat"])
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(TOOLS, "required"))
+    prompts = [plan.prompt_ids(pair.tokenizer, [{"role": "user", "content": q}])
+               for q in ("Weather in Oslo?", "Time in Paris?", "Hi")]
+    configs = [GenerationConfig(max_new_tokens=90, grammar=plan.grammar, drafter="model",
+                                num_draft_tokens=3, adaptive=False),
+               GenerationConfig(max_new_tokens=90, grammar=plan.grammar, drafter="model",
+                                num_draft_tokens=3, adaptive=False,
+                                sampling=SamplingParams(temperature=0.8, seed=2)),
+               GenerationConfig(max_new_tokens=40, drafter="model", num_draft_tokens=3,
+                                adaptive=False)]
+    solo = [pair.generate(p, c) for p, c in zip(prompts, configs, strict=True)]
+    batch = pair.generate_batch(prompts, configs).results
+    server = ContinuousBatch(pair, capacity=2, drafter="model", num_draft_tokens=3,
+                             adaptive=False)
+    rids = [server.submit_ids(p, c) for p, c in zip(prompts, configs, strict=True)]
+    served = server.run()
+    for one, row, rid in zip(solo, batch, rids, strict=True):
+        assert row.tokens == one.tokens == served[rid].tokens
+
+
+# ------------------------------------------------------------------------------ the server
+
+
+@pytest.fixture(scope="module", params=list(FORMS))
+def served(request: pytest.FixtureRequest, fixtures_dir: Path) -> Iterator[Served]:
+    pair = Pair.load(fixtures_dir / FORMS[request.param])
+    app = create_app(pair, ServerOptions(max_batch=4, max_queue=16, max_tokens_limit=512))
+    with running(app) as url:
+        yield Served(pair, url, app)
+
+
+def _solo(pair: Pair, plan: ToolPlan, messages: list[dict[str, Any]]) -> Any:
+    """Target-only decoding of what the server is sent without `max_tokens` (the rest of the
+    tiny models' 512-token context)."""
+    ids = plan.prompt_ids(pair.tokenizer, messages)
+    return pair.generate(ids, GenerationConfig(max_new_tokens=512 - len(ids),
+                                               grammar=plan.grammar, drafter="none"))
+
+
+def test_required_calls_through_the_openai_client(served: Served) -> None:
+    client, pair = served.client(), served.pair
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(TOOLS, "required",
+                                                                      False))
+    want = _solo(pair, plan, ASK)
+    assert want.stop_reason == "eos"  # one call, then the grammar allows only eos
+    expected = calls_of(plan.fmt, want.text)
+    reply = client.chat.completions.create(model=served.model, messages=ASK, tools=TOOLS,
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           temperature=0)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    got = [(c.function.name, json.loads(c.function.arguments))
+           for c in choice.message.tool_calls or []]
+    assert got == expected and all(fits(n, a) for n, a in got)
+    assert reply.usage is not None and reply.usage.completion_tokens == len(want.tokens)
+    ids = {c.id for c in choice.message.tool_calls or []}
+    assert len(ids) == len(got) and all(i.startswith("call_") for i in ids)
+    chunks = list(client.chat.completions.create(
+        model=served.model, messages=ASK, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, temperature=0, stream=True))
+    streamed: dict[int, dict[str, str]] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+    assert [(e["name"], json.loads(e["arguments"])) for _, e in sorted(streamed.items())] == \
+        expected
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_a_named_function_and_a_conversation_with_results(served: Served) -> None:
+    client, pair = served.client(), served.pair
+    named = {"type": "function", "function": {"name": "time"}}
+    reply = client.chat.completions.create(model=served.model, messages=ASK, tools=[CLOCK],
+                                           tool_choice=named, parallel_tool_calls=False,
+                                           temperature=0)
+    calls = reply.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["time"]
+    history: list[dict[str, Any]] = [
+        *ASK, {"role": "assistant", "content": None,
+               "tool_calls": [{"id": calls[0].id, "type": "function",
+                               "function": {"name": "time",
+                                            "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "12:00"}]
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai([CLOCK]))
+    want = _solo(pair, plan, history)
+    after = client.chat.completions.create(model=served.model, messages=history,
+                                           tools=[CLOCK], temperature=0)
+    assert after.usage is not None
+    assert after.usage.prompt_tokens == len(plan.prompt_ids(pair.tokenizer, history))
+    found = plan.fmt.parse(want.text)
+    assert after.choices[0].message.content == found.content  # "auto": read for calls
+    assert len(after.choices[0].message.tool_calls or []) == len(found.calls)
+
+
+def test_tool_requests_that_are_wrong_are_400s(served: Served) -> None:
+    url = served.url + "/v1/chat/completions"
+    base = {"model": served.model, "messages": ASK, "max_tokens": 5}
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": 7}}}}}
+    for extra, param in [
+            ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+             "tool_choice"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"tools": [bad_schema], "tool_choice": "required"}, "tools"),
+            ({"tools": TOOLS, "tool_choice": "required",
+              "response_format": {"type": "json_object"}}, "tool_choice"),
+            ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+             "tools[0].function.name"),
+            ({"messages": [{"role": "user", "content": "x", "tool_calls": []},
+                           {"role": "tool", "content": None}]}, "messages[1].content"),
+            ({"messages": [{"role": "assistant", "content": None,
+                            "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+             "messages[0].tool_calls[0]")]:
+        response = httpx.post(url, json={**base, **extra}, timeout=30)
+        assert response.status_code == 400, (extra, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and "\n" not in error["message"], (extra, error)
+    text = httpx.post(served.url + "/v1/completions",
+                      json={"model": served.model, "prompt": "Hi", "tools": TOOLS}, timeout=30)
+    assert text.status_code == 400 and text.json()["error"]["param"] == "tools"
+
+
+def test_a_template_that_takes_tools_through_the_server(pair_copy: Path) -> None:
+    (pair_copy / "chat_template.jinja").write_text(NATIVE_TEMPLATE)
+    rehash(pair_copy, "chat_template.jinja")
+    pair = Pair.load(pair_copy)
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(TOOLS, "required"))
+    assert plan.native
+    want = _solo(pair, plan, ASK)
+    with running(create_app(pair, ServerOptions())) as url:
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": pair.manifest.root.name, "messages": ASK, "tools": TOOLS,
+            "tool_choice": "required", "temperature": 0}).json()
+    calls = reply["choices"][0]["message"]["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        calls_of(plan.fmt, want.text)
+    assert reply["usage"]["prompt_tokens"] == len(plan.prompt_ids(pair.tokenizer, ASK))
+
+
+@pytest.mark.reference
+def test_the_reference_model_calls_the_weather_tool(reference_pair: Pair) -> None:
+    plan = ToolPlan.for_tokenizer(reference_pair.tokenizer,
+                                  ToolSet.from_openai(TOOLS, "required", False))
+    ids = plan.prompt_ids(reference_pair.tokenizer, ASK)
+    want = reference_pair.generate(ids, GenerationConfig(max_new_tokens=60, drafter="none",
+                                                         grammar=plan.grammar))
+    got = reference_pair.generate(ids, GenerationConfig(max_new_tokens=60, grammar=plan.grammar))
+    assert got.tokens == want.tokens
+    assert calls_of(plan.fmt, got.text) == [("weather", {"city": "Paris"})]
