@@ -21,7 +21,7 @@ def test_readme_example_runs(reference_pair_dir: Path, capsys) -> None:  # noqa:
     code = _python_blocks()[0].replace('"pairs/smollm2-135m"', repr(str(reference_pair_dir)))
     exec(compile(code, "README.md", "exec"), {})
     out = capsys.readouterr().out
-    assert "Paris" in out and "tok/s" in out
+    assert "Paris" in out and "tok/s" in out and "ToolCall(name='get_weather'" in out
 
 
 def test_readme_batch_example_runs(concat_dir: Path, capsys) -> None:  # noqa: ANN001
