@@ -122,7 +122,8 @@ class BatchDecoder(RowJoins):
         model_rows = []
         for row in live:
             free = budgets[row.index][1]
-            hit = self.ngram.lookup(row.tokens, free) if self.ngram else []
+            hit = row.sampler.allowed(row.generated, self.ngram.lookup(row.tokens, free)) \
+                if self.ngram else []
             if self.plan.drafter == "ngram" or take_ngram(hit, free):
                 drafts[row.index] = hit
             elif ks[row.index]:

@@ -174,6 +174,7 @@ class NgramDrafter:
     def propose(self, tokens: list[int], k: int, sampler: RowSampler, position: int,
                 k_free: int = 0) -> Proposal:
         found = self.lookup(tokens, max(k, k_free))
+        found = sampler.allowed(tokens[len(tokens) - position:] if position else [], found)
         # Free drafts: zero cost per drafted position, so adaptive k sees what they are worth.
         return Proposal(np.asarray(found, np.int64), None, step_calls=len(found), free=True)
 

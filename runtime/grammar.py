@@ -200,6 +200,13 @@ class GrammarState:
                 out[i] = out[i - 1]
         return out
 
+    def allowed_prefix(self, history: Sequence[int], drafts: Sequence[int]) -> int:
+        """How many of `drafts` the grammar allows after the output `history`, one after the
+        other (0 after a `history` that breaks it)."""
+        if not self._follow(history):
+            return 0
+        return int(self._matcher.validate_tokens([int(t) for t in drafts])) if drafts else 0
+
     def forced(self, history: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces after the output `history` (llguidance's
         fast-forward tokens: the forced bytes as the tokenizer writes them; none after a

@@ -161,6 +161,14 @@ class RowSampler:
         without a grammar): a model drafter drafts them without a call."""
         return self.grammar.forced(history, limit) if self.grammar is not None else []
 
+    def allowed(self, history: Sequence[int], drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the row's grammar forbids after the output
+        `history` (all of them without a grammar): an n-gram hit that leaves the grammar is
+        cut there, since verification would reject the rest."""
+        if self.grammar is None or not drafts:
+            return drafts
+        return drafts[:self.grammar.allowed_prefix(history, drafts)]
+
     def certain(self, token: int) -> np.ndarray | None:
         """The draft distribution of a token drafted with certainty (a grammar's forced
         token): one-hot `[vocab]` for a row that samples without a seed (its verification

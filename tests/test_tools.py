@@ -385,3 +385,31 @@ def test_the_reference_model_calls_the_weather_tool(reference_pair: Pair) -> Non
     got = reference_pair.generate(ids, GenerationConfig(max_new_tokens=60, grammar=plan.grammar))
     assert got.tokens == want.tokens
     assert calls_of(plan.fmt, got.text) == [("weather", {"city": "Paris"})]
+
+
+def test_an_ngram_hit_that_leaves_the_grammar_is_cut(tiny_pair: Pair) -> None:
+    """A constrained row's n-gram drafts stop at the first token the grammar forbids (the
+    prompt lists the tools' schemas, whose text a call does not repeat): verification would
+    reject the rest, and hybrid drafting then falls back to the draft model."""
+    from specedge.runtime.drafters import NgramDrafter
+    from specedge.runtime.rounds import RowSampler
+
+    plan = ToolPlan.for_tokenizer(tiny_pair.tokenizer, ToolSet.from_openai(TOOLS, "required"))
+    assert plan.grammar is not None
+    tokenizer = tiny_pair.tokenizer
+    state = tiny_pair.grammars.state(plan.grammar)
+    sampler = RowSampler(SamplingParams(temperature=0.0), tiny_pair.target.spec.vocab_size,
+                         grammar=state)
+    good = tokenizer.encode('<tool_call>\n{"name": "time", "arguments": {"zone": "UTC"}}',
+                            add_special_tokens=False)
+    bad = tokenizer.encode(' "type": "object"', add_special_tokens=False)
+    head = good[:4]
+    assert sampler.allowed(head, good[4:]) == good[4:]
+    assert sampler.allowed(head, bad) == []
+    cut = sampler.allowed(head, good[4:9] + bad)
+    assert cut == good[4:9]
+    # The drafter: a prompt that holds the good text then the bad one after the same n-gram.
+    prompt = good[:9] + bad + [0] + head
+    assert NgramDrafter().lookup(prompt, 8)[:6] == good[4:9] + bad[:1]
+    assert NgramDrafter().propose(prompt, 8, sampler, len(head), 8).tokens.tolist() == \
+        good[4:9]
