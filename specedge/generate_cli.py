@@ -228,12 +228,60 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
                                 for k, v in summary.items()), err=True)
 
 
+def _generate_with_tools(loaded: Pair, prompt: str, config: GenerationConfig, tools_file: Path,
+                         tool_choice: str | None, as_json: bool, show_stats: bool) -> None:
+    """PROMPT as a user turn offered the tools of `tools_file` (as the server's `tools`): the
+    reply streamed, or with --json its text, content and calls."""
+    from specedge.runtime.errors import FieldError
+    from specedge.runtime.prompts import read_text_file
+    from specedge.runtime.tool_calls import ToolOutput, ToolSet
+    from specedge.runtime.tool_prompt import ToolPlan
+
+    try:
+        listed = json.loads(read_text_file(tools_file, "the tools file", "tools file"))
+    except (json.JSONDecodeError, RecursionError):
+        raise InputError(f"{tools_file}: not JSON; give a list of tools, each {{\"type\": "
+                         "\"function\", \"function\": {\"name\": ..., \"parameters\": "
+                         "{...}}}") from None
+    choice: Any = tool_choice
+    if tool_choice not in (None, "auto", "none", "required"):
+        choice = {"type": "function", "function": {"name": tool_choice}}
+    try:
+        tools = ToolSet.from_openai(listed, choice)
+    except FieldError as exc:
+        raise InputError(f"{tools_file}: {exc.param}: {exc}") from None
+    plan = ToolPlan.for_tokenizer(loaded.tokenizer, tools)
+    if plan.grammar is not None and config.grammar is not None:
+        raise InputError("give --json-schema/--regex/--grammar or a --tool-choice that forces "
+                         "calls, not both")
+    ids = plan.prompt_ids(loaded.tokenizer, [{"role": "user", "content": prompt}])
+    config = dataclasses.replace(config, grammar=plan.grammar or config.grammar, chat=False)
+    if not as_json:
+        result = _stream(loaded, ids, config)
+        if show_stats:
+            _print_stats(result)
+        return
+    result = loaded.generate(ids, config)
+    found = plan.fmt.parse(result.text) if plan.parses_calls else ToolOutput(result.text)
+    click.echo(json_dumps({"text": result.text, "content": found.content,
+                           "tool_calls": [{"name": c.name, "arguments": c.arguments}
+                                          for c in found.calls],
+                           "tokens": result.tokens, "stop_reason": result.stop_reason,
+                           "stats": result.stats.to_dict(), **_logprobs(loaded, result)}))
+
+
 @click.command()
 @click.argument("pair", type=click.Path(path_type=Path))
 @click.argument("prompt", required=False)
 @generation_options
 @load_options
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the chat template as a user turn.")
+@click.option("--tools", "tools_file", type=click.Path(path_type=Path), default=None,
+              help="A JSON file listing OpenAI function tools: PROMPT is a user turn that may "
+                   "call them (as the server's tools); --json adds the calls.")
+@click.option("--tool-choice", default=None, metavar="auto|none|required|NAME",
+              help="With --tools: the reply may call tools (auto), may not (none), must "
+                   "(required), or must call tool NAME.")
 @click.option("--batch", "batch_file", type=click.Path(path_type=Path), default=None,
               help="JSONL file, one row per line: {\"prompt\": ...} or {\"messages\": [...]}, "
                    "with optional max_new_tokens, temperature, top_k, top_p, min_p, seed, "
@@ -249,15 +297,25 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
                    "its N most likely alternatives.")
 @clean_errors
 def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load: LoadOptions,
-             chat: bool, batch_file: Path | None, show_stats: bool, as_json: bool,
+             chat: bool, tools_file: Path | None, tool_choice: str | None,
+             batch_file: Path | None, show_stats: bool, as_json: bool,
              top_logprobs: int | None) -> None:
     """Generate a completion of PROMPT (or of every row of --batch) with the pair PAIR."""
     if (prompt is None) == (batch_file is None):
         raise click.UsageError("give a PROMPT or --batch FILE (one of the two)")
     if top_logprobs is not None and not as_json:
         raise click.UsageError("--logprobs prints with --json; add --json")
+    if tool_choice is not None and tools_file is None:
+        raise click.UsageError("--tool-choice needs --tools FILE")
+    if tools_file is not None and batch_file is not None:
+        raise click.UsageError("--tools takes a PROMPT, not --batch")
     config = dataclasses.replace(generation.config(chat), logprobs=top_logprobs)
     loaded = load.load(pair)
+    if tools_file is not None:
+        assert prompt is not None
+        _generate_with_tools(loaded, prompt, config, tools_file, tool_choice, as_json,
+                             show_stats)
+        return
     if batch_file is not None:
         _generate_batch(loaded, batch_file, config, show_stats, as_json)
         return

@@ -413,3 +413,35 @@ def test_an_ngram_hit_that_leaves_the_grammar_is_cut(tiny_pair: Pair) -> None:
     assert NgramDrafter().lookup(prompt, 8)[:6] == good[4:9] + bad[:1]
     assert NgramDrafter().propose(prompt, 8, sampler, len(head), 8).tokens.tolist() == \
         good[4:9]
+
+
+def test_generate_with_tools_from_the_command_line(tiny_pair_dir: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from .test_cli import assert_clean_error, generate_json, invoke
+
+    runner = CliRunner()
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(TOOLS))
+    pair = Pair.load(tiny_pair_dir)
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(TOOLS, "time"))
+    ids = plan.prompt_ids(pair.tokenizer, ASK)
+    want = pair.generate(ids, GenerationConfig(max_new_tokens=60, grammar=plan.grammar,
+                                               drafter="none"))
+    out = generate_json(runner, tiny_pair_dir, ASK[0]["content"], "--tools", str(tools_file),
+                        "--tool-choice", "time", "--max-new-tokens", "60")
+    assert out["tokens"] == want.tokens and out["content"] is None
+    assert [(c["name"], json.loads(c["arguments"])) for c in out["tool_calls"]] == \
+        calls_of(plan.fmt, want.text) and out["tool_calls"]
+    (tmp_path / "bad.json").write_text(json.dumps([{"type": "function",
+                                                     "function": {"name": "a b"}}]))
+    (tmp_path / "not.json").write_text("{")
+    for args, message in (
+            (("--tools", tmp_path / "bad.json"), "tools[0].function.name"),
+            (("--tools", tmp_path / "not.json"), "not JSON"),
+            (("--tools", tools_file, "--tool-choice", "nope"), "names function 'nope'"),
+            (("--tools", tools_file, "--tool-choice", "required", "--regex", "a"),
+             "not both")):
+        assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "Hi", *args), message)
+    usage = invoke(runner, "generate", tiny_pair_dir, "Hi", "--tool-choice", "required")
+    assert usage.exit_code == 2 and "--tool-choice needs --tools" in usage.output
