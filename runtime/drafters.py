@@ -24,6 +24,7 @@ import numpy as np
 
 from .backend import OrtModel
 from .kvcache import KVCache
+from .manifest import ModelSpec
 from .prefix_cache import feed
 from .rounds import RowSampler, fed_prefix
 
@@ -69,9 +70,12 @@ class ModelDrafter:
     """
 
     def __init__(self, model: OrtModel, cache: KVCache, p_min: float = 0.0,
-                 fed: Sequence[int] = ()) -> None:
-        """`fed`: the tokens whose keys and values `cache` already holds (a reused prefix)."""
+                 fed: Sequence[int] = (), prompt_kv: KVCache | None = None) -> None:
+        """`fed`: the tokens whose keys and values `cache` already holds (a reused prefix).
+        `prompt_kv`: the target's cache, whose keys and values of the prompt the prefill takes
+        instead of computing its own (a self-draft: the target's model, quantized)."""
         self.model, self.cache, self.p_min = model, cache, p_min
+        self.prompt_kv = prompt_kv
         self.fed: list[int] = list(fed)  # the tokens whose keys/values are in the cache
         self.stable = len(self.fed)  # fed[:stable] equals the committed tokens
         assert int(cache.lengths[0]) == len(self.fed), "the cache holds exactly `fed`"
@@ -130,7 +134,10 @@ class ModelDrafter:
         """Feed all but the last committed token, so the first round drafts at once."""
         if len(tokens) > 1 and len(self.fed) < len(tokens) - 1:
             assert self.fed == tokens[:len(self.fed)], "a reused prefix of these tokens"
-            feed(self.model, self.cache, tokens[:-1])
+            if self.prompt_kv is not None:
+                self.cache.copy_from(self.prompt_kv, len(self.fed), len(tokens) - 1)
+            else:
+                feed(self.model, self.cache, tokens[:-1])
             self.fed = list(tokens[:-1])
 
     def catch_up(self, tokens: list[int]) -> int:
@@ -237,9 +244,21 @@ def draft_model_cache(drafter: Drafter | None) -> KVCache | None:
     return drafter.cache if isinstance(drafter, ModelDrafter) else None
 
 
+def self_draft(target: ModelSpec, draft: ModelSpec) -> bool:
+    """The draft is the target's own model at another precision (the same source, the same
+    layers and heads), so the target's keys and values of a prompt are a close stand-in for
+    the draft's own: drafting from them changes which tokens are proposed, never the output."""
+    def origin(spec: ModelSpec) -> dict[str, object]:
+        return {k: v for k, v in spec.source.items() if k != "quantization"}
+
+    return bool(target.source) and origin(target) == origin(draft) and \
+        (target.num_layers, target.num_kv_heads, target.head_dim) == \
+        (draft.num_layers, draft.num_kv_heads, draft.head_dim)
+
+
 def build_drafter(drafter: str, model: OrtModel | None, max_len: int,
                   p_min: float = 0.0, *, cache: KVCache | None = None,
-                  fed: Sequence[int] = ()) -> Drafter | None:
+                  fed: Sequence[int] = (), prompt_kv: KVCache | None = None) -> Drafter | None:
     """The batch-1 drafter for a plan's drafter name (None: target only); `p_min` is the
     draft model's confidence cut-off. `cache`: the draft model's cache to use (a reused one
     holding `fed`); None allocates one of `max_len`."""
@@ -251,5 +270,7 @@ def build_drafter(drafter: str, model: OrtModel | None, max_len: int,
     assert model is not None, "the plan checked that a draft model is loaded"
     if cache is None:
         cache, fed = model.new_cache(1, max_len), ()
-    own = ModelDrafter(model, cache, p_min, fed)
+    own = ModelDrafter(model, cache, p_min, fed,
+                       prompt_kv if prompt_kv is not None and cache.same_layout(prompt_kv)
+                       else None)
     return own if ngram is None else HybridDrafter(own, ngram)

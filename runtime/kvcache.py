@@ -210,6 +210,37 @@ class KVCache:
         self.fed[dst, :n] = self.fed[src, :n]
         self.lengths[dst] = n
 
+    def same_layout(self, other: KVCache) -> bool:
+        """`other` holds its keys and values as this cache does (layers, heads, head size,
+        dtype, graph form, device): `copy_from` can take its positions."""
+        a, b = self.model.spec, other.model.spec
+        return (a.num_layers, a.num_kv_heads, a.head_dim, a.kv.dtype, a.graph,
+                self.model.config.device, self.model.config.device_id) == \
+            (b.num_layers, b.num_kv_heads, b.head_dim, b.kv.dtype, b.graph,
+             other.model.config.device, other.model.config.device_id) and \
+            self.device_kv is None and other.device_kv is None and self.batch == 1
+
+    def copy_from(self, other: KVCache, start: int, end: int) -> None:
+        """Take positions `[start, end)` of `other`'s row 0 (a cache of `same_layout`) as this
+        row 0's, which then holds `end` positions: keys and values another model of the same
+        shapes computed for these tokens (a self-draft's prompt, from its target's prefill)."""
+        if not (self.same_layout(other) and 0 <= start == int(self.lengths[0]) <= end
+                <= min(int(other.lengths[0]), self.max_len)):
+            raise AssertionError(f"copy of positions [{start}, {end}) into a cache of length "
+                                 f"{self.lengths[0]} from one of {other.lengths[0]}")
+        if self.host is not None and other.host is not None:
+            self.host[:, 0, :, start:end] = other.host[:, 0, :, start:end]
+        else:  # in place: each value `[1, heads, max_len, head_dim]`, a span per head
+            ops, spec = self.model.kv_ops(), self.model.spec
+            dim = spec.head_dim
+            for mine, theirs in zip(self.values, other.values, strict=True):
+                for h in range(spec.num_kv_heads):
+                    copy_span(ops, theirs, (h * other.max_len + start) * dim, mine,
+                              (h * self.max_len + start) * dim, (end - start) * dim,
+                              self.model.config.device_id)
+        self.fed[0, start:end] = other.fed[0, start:end]
+        self.lengths = np.array([end], dtype=np.int64)
+
     def rollback(self, lengths: np.ndarray | int) -> None:
         """Set the valid length of each row (O(1): nothing is recomputed or copied)."""
         if isinstance(lengths, int | np.integer) and self.batch == 1:

@@ -26,7 +26,7 @@ import numpy as np
 from .adaptive import AdaptiveK, TunerStore
 from .backend import OrtModel
 from .batch import RowRequest, decode_batch
-from .drafters import build_drafter, draft_model_cache
+from .drafters import build_drafter, draft_model_cache, self_draft
 from .errors import InputError
 from .generation import (
     BatchResult,
@@ -84,6 +84,9 @@ class Pair:
         self.tuners = TunerStore()
         self.grammars = GrammarCompiler(tokenizer.to_json, target.spec.vocab_size,
                                         manifest.eos_token_ids)
+        # A self-draft takes the prompt's keys and values from the target's prefill instead
+        # of prefilling it again (`drafters.self_draft`; set False to prefill it).
+        self.shares_prompt_kv = draft is not None and self_draft(target.spec, draft.spec)
         # Why a listed TensorRT engine was not used, per model (empty when none was skipped).
         self.engine_notes: dict[str, str] = {}
         # What loading did about huge pages for the weights (see `hugepages`).
@@ -269,13 +272,14 @@ class Pair:
         draft_cache = entry.draft if entry is not None and model_drafter else None
         if draft_cache is not None:
             draft_cache.rollback(reused)
-        drafter = build_drafter(plan.drafter, self.draft, max_len, plan.draft_p_min,
-                                cache=draft_cache, fed=ids[:reused])
         if entry is not None:
             cache = entry.target
             cache.rollback(reused)
         else:
             cache = self.target.new_cache(1, max_len)
+        drafter = build_drafter(plan.drafter, self.draft, max_len, plan.draft_p_min,
+                                cache=draft_cache, fed=ids[:reused],
+                                prompt_kv=cache if self.shares_prompt_kv else None)
         stats.cached_tokens = reused
         sampler = RowSampler(config.sampling, self.target.spec.vocab_size, ids,
                              self.grammar_state(config), output.eos)

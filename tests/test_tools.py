@@ -422,14 +422,15 @@ def test_generate_with_tools_from_the_command_line(tiny_pair_dir: Path, tmp_path
 
     runner = CliRunner()
     tools_file = tmp_path / "tools.json"
-    tools_file.write_text(json.dumps(TOOLS))
+    tools_file.write_text(json.dumps([CLOCK]))
     pair = Pair.load(tiny_pair_dir)
-    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(TOOLS, "time"))
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(
+        [CLOCK], {"type": "function", "function": {"name": "time"}}))
     ids = plan.prompt_ids(pair.tokenizer, ASK)
-    want = pair.generate(ids, GenerationConfig(max_new_tokens=60, grammar=plan.grammar,
+    want = pair.generate(ids, GenerationConfig(max_new_tokens=100, grammar=plan.grammar,
                                                drafter="none"))
     out = generate_json(runner, tiny_pair_dir, ASK[0]["content"], "--tools", str(tools_file),
-                        "--tool-choice", "time", "--max-new-tokens", "60")
+                        "--tool-choice", "time", "--max-new-tokens", "100")
     assert out["tokens"] == want.tokens and out["content"] is None
     assert [(c["name"], json.loads(c["arguments"])) for c in out["tool_calls"]] == \
         calls_of(plan.fmt, want.text) and out["tool_calls"]

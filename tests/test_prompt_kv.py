@@ -1,0 +1,73 @@
+"""A self-draft takes the prompt's keys and values from the target's prefill
+(`KVCache.copy_from`, `drafters.self_draft`): no draft prefill, the same output."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specedge.runtime.drafters import ModelDrafter, build_drafter, self_draft
+from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.prefix_cache import feed
+from specedge.runtime.sampling import SamplingParams
+
+LONG = ("Speculative decoding drafts tokens and verifies them in one pass. " * 12).strip()
+
+
+def _kv(cache: object, n: int) -> list[np.ndarray]:
+    """The first n positions of each key/value buffer of a batch-1 cache (CPU)."""
+    values = cache.values  # type: ignore[attr-defined]
+    if values:
+        return [v.numpy()[0, :, :n] for v in values]
+    return [cache.host[i, 0, :, :n] for i in range(cache.host.shape[0])]  # type: ignore
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-concat"])
+def test_the_draft_holds_the_targets_prompt_keys_and_values(fixtures_dir: Path,
+                                                            name: str) -> None:
+    pair = Pair.load(fixtures_dir / name)
+    assert pair.draft is not None and self_draft(pair.target.spec, pair.draft.spec)
+    ids = pair.encode_prompt(LONG)
+    target = pair.target.new_cache(1, len(ids) + 8)
+    feed(pair.target, target, ids)
+    drafter = build_drafter("model", pair.draft, len(ids) + 8, prompt_kv=target)
+    assert isinstance(drafter, ModelDrafter) and drafter.prompt_kv is target
+    drafter.prefill([*ids, 7])
+    assert int(drafter.cache.lengths[0]) == len(ids) and drafter.fed == ids
+    for mine, theirs in zip(_kv(drafter.cache, len(ids)), _kv(target, len(ids)), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    own = build_drafter("model", pair.draft, len(ids) + 8)  # the draft's own prefill differs
+    assert isinstance(own, ModelDrafter)
+    own.prefill([*ids, 7])
+    assert any(not np.array_equal(a, b) for a, b in zip(_kv(own.cache, len(ids)),
+                                                        _kv(target, len(ids)), strict=True))
+
+
+def test_only_a_self_draft_shares(tiny_pair: Pair) -> None:
+    target, draft = tiny_pair.target.spec, tiny_pair.draft.spec
+    assert self_draft(target, draft)
+    assert not self_draft(target, replace(draft, source={**draft.source, "origin": "other"}))
+    assert not self_draft(target, replace(draft, num_layers=draft.num_layers + 1))
+    assert not self_draft(replace(target, source={}), replace(draft, source={}))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-concat", "tiny-llama-int8static"])
+def test_shared_prompt_keys_and_values_change_no_token(fixtures_dir: Path, name: str) -> None:
+    """Greedy and seeded, model and hybrid drafting, cold and with a reused prefix: the output
+    equals target-only decoding whether the draft prefills or takes the target's prompt."""
+    for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=4)):
+        cold = Pair.load(fixtures_dir / name)
+        want = cold.generate(LONG, GenerationConfig(max_new_tokens=40, drafter="none",
+                                                    sampling=sampling)).tokens
+        for shares in (True, False):
+            for drafter in ("model", "hybrid"):
+                pair = Pair.load(fixtures_dir / name, prefix_cache=1)
+                pair.shares_prompt_kv = shares
+                config = GenerationConfig(max_new_tokens=40, drafter=drafter,
+                                          num_draft_tokens=3, sampling=sampling)
+                assert pair.generate(LONG, config).tokens == want, (shares, drafter)
+                again = pair.generate(LONG, config)  # the draft cache reused, then extended
+                assert again.tokens == want and again.stats.cached_tokens > 0
