@@ -62,7 +62,8 @@ class BatchDecoder(RowJoins):
 
     def __init__(self, target: OrtModel, draft: OrtModel | None, plan: DecodePlan, *,
                  capacity: int, max_len: int, compact: bool = True,
-                 tuner: AdaptiveK | None = None, keep_prefixes: bool = True) -> None:
+                 tuner: AdaptiveK | None = None, keep_prefixes: bool = True,
+                 share_prompt_kv: bool = False) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise InputError(f"batch capacity must be an integer >= 1, got {capacity!r}")
         if target.spec.graph != "concat":
@@ -78,6 +79,9 @@ class BatchDecoder(RowJoins):
         self.limit = min(plan.limit, max_len)
         self.t_cache = target.new_cache(capacity, self.limit)
         self.d_cache = self.draft.new_cache(capacity, self.limit) if self.draft else None
+        # A self-draft takes a joining row's prompt from the target's cache (`Pair.load`).
+        self.share_prompt_kv = share_prompt_kv and self.d_cache is not None and \
+            self.d_cache.same_layout(self.t_cache)
         self.slots: list[BatchRow | None] = [None] * capacity
         self.joining: list[Joining] = []  # rows whose prefill is under way, oldest first
         self.prefixes = SlotPrefixes(capacity, keep=keep_prefixes)
@@ -235,15 +239,16 @@ class BatchDecoder(RowJoins):
 
 def decode_batch(target: OrtModel, draft: OrtModel | None, plan: DecodePlan,
                  requests: Sequence[RowRequest], *, max_len: int, compact: bool = True,
-                 tuner: AdaptiveK | None = None, keep_prefixes: bool = True
-                 ) -> tuple[list[BatchRow], BatchStats]:
+                 tuner: AdaptiveK | None = None, keep_prefixes: bool = True,
+                 share_prompt_kv: bool = False) -> tuple[list[BatchRow], BatchStats]:
     """Generate for every request; returns the rows (in order, finished) and the totals.
     `keep_prefixes=False`: rows whose prompts start alike prefill them each (a measurement's
     control)."""
     if not requests:
         raise InputError("a batch needs at least one prompt")
     decoder = BatchDecoder(target, draft, plan, capacity=len(requests), max_len=max_len,
-                           compact=compact, tuner=tuner, keep_prefixes=keep_prefixes)
+                           compact=compact, tuner=tuner, keep_prefixes=keep_prefixes,
+                           share_prompt_kv=share_prompt_kv)
     rows = [decoder.add(r) for r in requests]
     start = time.perf_counter()  # decoding starts once every row is prefilled: a row's
     for row in rows:  # decode_s leaves out the prefills of the rows after it

@@ -131,6 +131,7 @@ class RowJoins:
     prefixes: SlotPrefixes
     tuner: AdaptiveK | None
     totals: BatchStats
+    share_prompt_kv: bool
 
     @property
     def live(self) -> list[BatchRow]:
@@ -245,6 +246,12 @@ class RowJoins:
         row.stats.new_tokens = len(row.generated)
         join.add_time(time.perf_counter() - t0)
         if self.d_cache is None or row.output.done:
+            return True
+        if self.share_prompt_kv:  # a self-draft: the target's prompt, no draft prefill
+            self.d_cache.copy_from(self.t_cache, int(self.d_cache.lengths[slot]), end, slot)
+            row.draft_fed = list(row.tokens[:-1])
+            row.draft_stable = len(row.draft_fed)
+            row.draft_prefilled = True
             return True
         if self.tuner is not None and self.tuner.k == 0:
             self.d_cache.lengths[slot] = 0

@@ -212,34 +212,38 @@ class KVCache:
 
     def same_layout(self, other: KVCache) -> bool:
         """`other` holds its keys and values as this cache does (layers, heads, head size,
-        dtype, graph form, device): `copy_from` can take its positions."""
+        dtype, graph form, device, rows): `copy_from` can take its positions."""
         a, b = self.model.spec, other.model.spec
         return (a.num_layers, a.num_kv_heads, a.head_dim, a.kv.dtype, a.graph,
-                self.model.config.device, self.model.config.device_id) == \
+                self.model.config.device, self.model.config.device_id, self.batch) == \
             (b.num_layers, b.num_kv_heads, b.head_dim, b.kv.dtype, b.graph,
-             other.model.config.device, other.model.config.device_id) and \
-            self.device_kv is None and other.device_kv is None and self.batch == 1
+             other.model.config.device, other.model.config.device_id, other.batch) and \
+            self.device_kv is None and other.device_kv is None
 
-    def copy_from(self, other: KVCache, start: int, end: int) -> None:
-        """Take positions `[start, end)` of `other`'s row 0 (a cache of `same_layout`) as this
-        row 0's, which then holds `end` positions: keys and values another model of the same
-        shapes computed for these tokens (a self-draft's prompt, from its target's prefill)."""
-        if not (self.same_layout(other) and 0 <= start == int(self.lengths[0]) <= end
-                <= min(int(other.lengths[0]), self.max_len)):
-            raise AssertionError(f"copy of positions [{start}, {end}) into a cache of length "
-                                 f"{self.lengths[0]} from one of {other.lengths[0]}")
+    def copy_from(self, other: KVCache, start: int, end: int, row: int = 0) -> None:
+        """Take positions `[start, end)` of `other`'s row `row` (a cache of `same_layout`) as
+        this cache's row `row`, which then holds `end` positions: keys and values another model
+        of the same shapes computed for these tokens (a self-draft's prompt, from its target's
+        prefill)."""
+        if not (self.same_layout(other) and 0 <= start == int(self.lengths[row]) <= end
+                <= min(int(other.lengths[row]), self.max_len)):
+            raise AssertionError(f"copy of positions [{start}, {end}) into a row of length "
+                                 f"{self.lengths[row]} from one of {other.lengths[row]}")
         if self.host is not None and other.host is not None:
-            self.host[:, 0, :, start:end] = other.host[:, 0, :, start:end]
-        else:  # in place: each value `[1, heads, max_len, head_dim]`, a span per head
+            self.host[:, row, :, start:end] = other.host[:, row, :, start:end]
+        else:  # in place: each value `[batch, heads, max_len, head_dim]`, a span per head
             ops, spec = self.model.kv_ops(), self.model.spec
-            dim = spec.head_dim
+            dim, heads = spec.head_dim, spec.num_kv_heads
             for mine, theirs in zip(self.values, other.values, strict=True):
-                for h in range(spec.num_kv_heads):
-                    copy_span(ops, theirs, (h * other.max_len + start) * dim, mine,
-                              (h * self.max_len + start) * dim, (end - start) * dim,
-                              self.model.config.device_id)
-        self.fed[0, start:end] = other.fed[0, start:end]
-        self.lengths = np.array([end], dtype=np.int64)
+                for h in range(heads):
+                    copy_span(ops, theirs, ((row * heads + h) * other.max_len + start) * dim,
+                              mine, ((row * heads + h) * self.max_len + start) * dim,
+                              (end - start) * dim, self.model.config.device_id)
+        self.fed[row, start:end] = other.fed[row, start:end]
+        if self.batch == 1:
+            self.lengths = np.array([end], dtype=np.int64)
+        else:
+            self.lengths[row] = end
 
     def rollback(self, lengths: np.ndarray | int) -> None:
         """Set the valid length of each row (O(1): nothing is recomputed or copied)."""

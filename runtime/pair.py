@@ -465,7 +465,8 @@ class Pair:
         # A batch prefills the draft only if it starts drafting: weighed with the drafts.
         tuner = self.tuners.take(key, [len(ids) for ids in ids_list]) if plan.adaptive else None
         rows, totals = decode_batch(self.target, self.draft, plan, requests, max_len=max_len,
-                                    compact=compact, tuner=tuner)
+                                    compact=compact, tuner=tuner,
+                                    share_prompt_kv=self.shares_prompt_kv)
         self.tuners.keep(key, tuner)
         results = []
         for row, ids in zip(rows, ids_list, strict=True):

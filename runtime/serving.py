@@ -71,7 +71,8 @@ class ContinuousBatch:
         self.max_len = min(max_len, self.plan.limit)
         self.decoder = BatchDecoder(pair.target, pair.draft, self.plan, capacity=capacity,
                                     max_len=self.max_len, compact=compact,
-                                    keep_prefixes=keep_prefixes)
+                                    keep_prefixes=keep_prefixes,
+                                    share_prompt_kv=pair.shares_prompt_kv)
         self.queue: deque[_Pending] = deque()
         self.running: dict[int, tuple[_Pending, BatchRow]] = {}  # slot -> request
         self.next_id = 0

@@ -71,3 +71,38 @@ def test_shared_prompt_keys_and_values_change_no_token(fixtures_dir: Path, name:
                 assert pair.generate(LONG, config).tokens == want, (shares, drafter)
                 again = pair.generate(LONG, config)  # the draft cache reused, then extended
                 assert again.tokens == want and again.stats.cached_tokens > 0
+
+
+def test_batches_share_the_prompt_and_change_no_token(concat_dir: Path) -> None:
+    """Rows joining a batch (and a continuous batch, with a prefill budget) take the target's
+    prompt into their draft rows; every row equals its batch-1 target-only run."""
+    from specedge.runtime.serving import ContinuousBatch
+
+    prompts = [LONG, "Hello there", LONG[:120] + " and more"]
+    configs = [GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=3,
+                                adaptive=False,
+                                sampling=SamplingParams(temperature=t, seed=2))
+               for t in (0.0, 0.7, 0.0)]
+    cold = Pair.load(concat_dir)
+    want = [cold.generate(p, replace(c, drafter="none")).tokens
+            for p, c in zip(prompts, configs, strict=True)]
+    for shares in (True, False):
+        pair = Pair.load(concat_dir)
+        pair.shares_prompt_kv = shares
+        batch = pair.generate_batch(prompts, configs).results
+        assert [r.tokens for r in batch] == want, shares
+        server = ContinuousBatch(pair, capacity=2, drafter="model", num_draft_tokens=3,
+                                 adaptive=False, prefill_budget=32)
+        assert server.decoder.share_prompt_kv is shares
+        rids = [server.submit(p, c) for p, c in zip(prompts, configs, strict=True)]
+        server.step()
+        joined = [r for r in server.decoder.slots if r is not None]
+        assert joined
+        if shares:  # the first rows' draft rows hold the target's prompt, bit for bit
+            t_cache, d_cache = server.decoder.t_cache, server.decoder.d_cache
+            for row in joined:
+                n = row.prompt_len
+                np.testing.assert_array_equal(d_cache.host[:, row.index, :, :n],
+                                              t_cache.host[:, row.index, :, :n])
+        served = server.run()
+        assert [served[r].tokens for r in rids] == want, shares
