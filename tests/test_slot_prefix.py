@@ -36,7 +36,18 @@ C = PREFILL_CHUNK
 
 @pytest.fixture(scope="module")
 def concat(fixtures_dir: Path) -> Pair:
-    return Pair.load(fixtures_dir / "tiny-llama-concat")
+    """The concat pair with its draft prefilling its own prompts (the calls these tests count;
+    its self-draft would take them from the target: `concat_shared`)."""
+    pair = Pair.load(fixtures_dir / "tiny-llama-concat")
+    pair.shares_prompt_kv = False
+    return pair
+
+
+@pytest.fixture(scope="module")
+def concat_shared(fixtures_dir: Path) -> Pair:
+    pair = Pair.load(fixtures_dir / "tiny-llama-concat")
+    assert pair.shares_prompt_kv
+    return pair
 
 
 # ------------------------------------------------------------------------------- the choice
@@ -442,14 +453,14 @@ def test_a_row_cancelled_while_joining_frees_its_slot(concat: Pair) -> None:
 @settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
-@pytest.mark.parametrize("form", ["concat", "mixed", "on_device"])
+@pytest.mark.parametrize("form", ["concat", "concat_shared", "mixed", "on_device"])
 def test_any_schedule_of_requests_decodes_each_as_batch_1(form: str, request: Any,
                                                           data: Any) -> None:
     """Requests from a family of prompts that share prefixes (whole chunks and not), arriving
     at random rounds, some cancelled, some conversations prefilled ahead, through a batch of
     random capacity and prefill budget: every request that finishes decodes its batch-1
-    tokens, and reuses or copies only whole chunks. Concat draft, in-place draft, device
-    layout."""
+    tokens, and reuses or copies only whole chunks. Concat draft (prefilling, or taking the
+    target's prompt), in-place draft, device layout."""
     concat = request.getfixturevalue(form)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     base = rng.integers(0, 300, 3 * C).tolist()
