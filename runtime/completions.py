@@ -26,7 +26,7 @@ from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_js
 from .openai_responses import SSE_DONE, ResponseShape, finish_reason, sse, tool_calls_json
 from .pair import GenerationConfig, GenerationResult
 from .server_http import Bridge, GenerationStream, read_json
-from .tool_calls import ToolCall, ToolFormat, ToolInputError, ToolStream
+from .tool_calls import ToolCall, ToolFormat, ToolStream
 from .tool_prompt import ToolPlan, has_tool_turns
 
 if TYPE_CHECKING:
@@ -98,13 +98,13 @@ def _tool_prompt(state: ServerState, parsed: ParsedRequest
         return list(parsed.prompts), parsed.config, None
     try:
         plan = ToolPlan.for_tokenizer(state.pair.tokenizer, parsed.tools)
-        grammar = plan.grammar
         ids = plan.prompt_ids(state.pair.tokenizer, messages)
-    except ToolInputError as exc:
-        raise APIError(400, str(exc), param=exc.param) from None
-    except InputError as exc:
-        param = "tools" if "does not compile" in str(exc) else "messages"
-        raise APIError(400, state.public(str(exc)), param=param) from None
+    except InputError as exc:  # the chat template refuses the conversation or the tools
+        raise APIError(400, state.public(str(exc)), param="messages") from None
+    try:
+        grammar = plan.grammar
+    except InputError as exc:  # a parameters schema that does not compile
+        raise APIError(400, str(exc), param="tools") from None
     if grammar is not None and parsed.config.grammar is not None:
         raise APIError(400, "give either a tool_choice that forces calls or a structured-"
                             "output field (response_format, ...), not both",

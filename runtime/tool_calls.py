@@ -177,6 +177,16 @@ class ToolFormat:
     parallel: bool = True
     markers: tuple[str, ...] = field(default=(), compare=False)
 
+    @property
+    def open_tag(self) -> str:
+        """What opens a call in a reply (`call_open` without its whitespace: a model may
+        write the tag and the JSON on one line)."""
+        return self.call_open.strip()
+
+    @property
+    def close_tag(self) -> str:
+        return self.call_close.strip()
+
     def write(self, call: ToolCall) -> str:
         """The text of one call in this format (what the model writes)."""
         try:
@@ -211,16 +221,17 @@ class ToolFormat:
     def parse(self, text: str) -> ToolOutput:
         """The calls in a whole reply, and its text outside them (stripped; None if empty). A
         call that is not a JSON object with a string name stays text."""
-        if not self.call_open:
+        opening, closing = self.open_tag, self.close_tag
+        if not opening:
             return self._parse_bare(text)
         calls: list[ToolCall] = []
         content: list[str] = []
         pos = 0
-        while (start := text.find(self.call_open, pos)) >= 0:
+        while (start := text.find(opening, pos)) >= 0:
             content.append(text[pos:start])
-            end = text.find(self.call_close, start + len(self.call_open))
-            stop = len(text) if end < 0 else end + len(self.call_close)
-            call = self.call_from(text[start + len(self.call_open):end if end >= 0 else len(text)])
+            end = text.find(closing, start + len(opening))
+            stop = len(text) if end < 0 else end + len(closing)
+            call = self.call_from(text[start + len(opening):end if end >= 0 else len(text)])
             if call is None:
                 content.append(text[start:stop])
             else:
@@ -291,9 +302,9 @@ class ToolStream:
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Content to send now, and the calls `text` completed."""
         self._buffer += text
-        if not self.fmt.call_open:
+        if not self.fmt.open_tag:
             return self._feed_bare()
-        opening, closing = self.fmt.call_open, self.fmt.call_close
+        opening, closing = self.fmt.open_tag, self.fmt.close_tag
         content, calls = "", list[ToolCall]()
         while True:
             start = self._buffer.find(opening)
@@ -318,13 +329,13 @@ class ToolStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest: text held back, and a call the reply left open (when it parses)."""
         rest, self._buffer = self._buffer, ""
-        if not self.fmt.call_open:
+        if not self.fmt.open_tag:
             if not self._bare:
                 return self._give(rest), []
             found = self.fmt.parse(rest)
             return self._give(found.content or ""), list(found.calls)
-        if rest.startswith(self.fmt.call_open):
-            call = self.fmt.call_from(rest[len(self.fmt.call_open):])
+        if rest.startswith(self.fmt.open_tag):
+            call = self.fmt.call_from(rest[len(self.fmt.open_tag):])
             if call is not None:
                 return "", [call]
         return self._give(rest), []

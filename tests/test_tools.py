@@ -125,6 +125,8 @@ def test_parse_finds_calls_and_keeps_the_rest_as_text() -> None:
     assert HERMES.parse(broken) == ToolOutput(broken)
     assert HERMES.parse('<tool_call>\n{"name": "f", "arguments": {}}') == \
         ToolOutput(None, (ToolCall("f", "{}"),))  # cut before its closing tag
+    assert HERMES.parse('<tool_call>{"name": "f", "arguments": {}}</tool_call>') == \
+        ToolOutput(None, (ToolCall("f", "{}"),))  # the tags on the JSON's line
     assert LLAMA3_JSON.parse(' {"name": "f", "parameters": {"x": "y"}}') == \
         ToolOutput(None, (ToolCall("f", '{"x": "y"}'),))
     assert LLAMA3_JSON.parse('{"answer": 1}') == ToolOutput('{"answer": 1}')
@@ -135,7 +137,8 @@ def test_parse_finds_calls_and_keeps_the_rest_as_text() -> None:
 
 
 _PIECES = st.lists(st.sampled_from([
-    "Hi", " ", "\n", "text", "<", "<tool", "tool_call>", "{", "}",
+    "Hi", " ", "\n", "text", "<", "<tool", "tool_call>", "{", "}", "<tool_call>",
+    '{"name": "k", "arguments": {}}',
     '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>',
     '<tool_call>\n{"name": "g"}\n</tool_call>', "<tool_call>\nbad\n</tool_call>",
     '{"name": "h", "parameters": {}}', "; ", "</tool_call>"]), max_size=8)
