@@ -6,7 +6,8 @@ many generations of one batch size, interleaved generation by generation in one 
 `specedge bench --batch` reports decode tokens/s, which leaves out the prefills. A server
 waits for them too, and with adaptive K the draft's prefill is work that pays only when the
 tuner drafts. Here every setting's tokens/s is new tokens over prefill + decode seconds, with
-the draft model's calls counted.
+the draft model's calls counted. For a self-draft, adaptive K runs twice: reading the target's
+prompt (the default) and prefilling its own (`Pair.shares_prompt_kv = False`).
 """
 
 from __future__ import annotations
@@ -32,25 +33,31 @@ def main() -> None:
     if pair.draft is None:
         raise SystemExit(f"{args.pair} has no draft model")
     prompts = (default_prompts() * (1 + args.prompts // len(default_prompts())))[:args.prompts]
+    adaptive = GenerationConfig(max_new_tokens=args.max_new_tokens, drafter="model",
+                                num_draft_tokens=args.k, adaptive=True, chat=args.chat)
     settings = {
         "target-only": GenerationConfig(max_new_tokens=args.max_new_tokens, drafter="none",
                                         chat=args.chat),
-        "adaptive": GenerationConfig(max_new_tokens=args.max_new_tokens, drafter="model",
-                                     num_draft_tokens=args.k, adaptive=True, chat=args.chat)}
-    for cfg in settings.values():  # warm-up; the adaptive tuner's first batch of this size
-        pair.generate_batch(prompts[:args.batch], cfg)
+        "adaptive": adaptive}
+    pairs = dict.fromkeys(settings, pair)
+    if pair.shares_prompt_kv:  # the same, with the draft prefilling its own prompt (its own
+        own = Pair.load(args.pair)  # Pair: adaptive K's tuner learns from its own costs)
+        own.shares_prompt_kv = False
+        settings["adaptive, own"], pairs["adaptive, own"] = adaptive, own
+    for name, cfg in settings.items():  # warm-up; the adaptive tuner's first batch
+        pairs[name].generate_batch(prompts[:args.batch], cfg)
     totals = {name: {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "draft_calls": 0,
                      "drafting_rounds": 0, "rounds": 0} for name in settings}
     for start in range(0, len(prompts) // args.batch * args.batch, args.batch):
         for name, cfg in settings.items():
-            calls = pair.draft.calls
+            calls = pairs[name].draft.calls  # type: ignore[union-attr]
             t0 = time.perf_counter()
-            st = pair.generate_batch(prompts[start:start + args.batch], cfg).stats
+            st = pairs[name].generate_batch(prompts[start:start + args.batch], cfg).stats
             t = totals[name]
             t["seconds"] += time.perf_counter() - t0
             t["tokens"] += st.new_tokens
             t["prefill_s"] += st.prefill_s
-            t["draft_calls"] += pair.draft.calls - calls
+            t["draft_calls"] += pairs[name].draft.calls - calls  # type: ignore[union-attr]
             t["rounds"] += st.rounds
             t["drafting_rounds"] += sum(k > 0 for k in st.draft_lengths)
     gens = len(prompts) // args.batch
@@ -60,7 +67,7 @@ def main() -> None:
     base = totals["target-only"]["tokens"] / totals["target-only"]["seconds"]
     for name, t in totals.items():
         rate = t["tokens"] / t["seconds"]
-        print(f"  {name:12s} {rate:7.1f} tok/s ({rate / base:.2f}x)  prefill {t['prefill_s']:.2f} "
+        print(f"  {name:14s} {rate:7.1f} tok/s ({rate / base:.2f}x)  prefill {t['prefill_s']:.2f} "
               f"of {t['seconds']:.2f} s  draft calls {t['draft_calls']}  drafting rounds "
               f"{t['drafting_rounds']} of {t['rounds']}")
 
