@@ -14,7 +14,6 @@ outputs equal target-only's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from report import emit, interleaved_args  # noqa: E402
 from tool_calls_speed import REQUESTS, TOOLS  # noqa: E402
 
 from specedge.runtime.pair import GenerationConfig, Pair  # noqa: E402
@@ -58,12 +58,7 @@ def prompt_sets(pair: Pair, max_new_tokens: int) -> dict[str, list[tuple[list[in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pair", type=Path)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = interleaved_args(__doc__)
     started = time.time()
     pair = Pair.load(args.pair)
     if not pair.shares_prompt_kv:
@@ -110,10 +105,7 @@ def main() -> None:
                          f"{statistics.median(s.prefill_s for s in rows):.3f} | "
                          f"{'–' if mode == MODES[0] else f'{acc:.2f}'} | {same[mode]}/{n} |")
     lines += ["", f"{(time.time() - started) / 60:.1f} min."]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

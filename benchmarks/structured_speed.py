@@ -15,11 +15,9 @@ specedge's constrained target-only.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from anchors import ort_genai  # noqa: E402
+from report import emit, interleaved_args  # noqa: E402
 
 from specedge.runtime.grammar import Grammar  # noqa: E402
 from specedge.runtime.pair import GenerationConfig, Pair  # noqa: E402
@@ -81,20 +80,10 @@ def fits(text: str, schema: dict[str, Any]) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pair", type=Path)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = interleaved_args(__doc__)
     started = time.time()
-    tmp = Path(tempfile.mkdtemp())
-    target_dir = ort_genai.make_genai_folder(args.pair, tmp / "t", draft=False, target_threads=2,
-                                             draft_threads=None)
-    spec_dir = ort_genai.make_genai_folder(args.pair, tmp / "s", draft=True, target_threads=2,
-                                           draft_threads=1)
+    genai_t, genai_s = ort_genai.target_and_speculative(args.pair)
     pair = Pair.load(args.pair)
-    genai_t, genai_s = ort_genai.load(target_dir), ort_genai.load(spec_dir)
     tasks = [(pair.encode_prompt([{"role": "user", "content": "Reply with JSON only. " + text}]),
               {**schema, "x-guidance": STYLE}) for text, schema in TASKS]
     base = GenerationConfig(max_new_tokens=args.max_new_tokens)
@@ -171,10 +160,7 @@ def main() -> None:
               f"{(1 - ref_t / med['specedge target-only, free text']) * 100:.0f}% of "
               "target-only speed here (free text decodes different, longer answers, so this "
               "is indicative only)."]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

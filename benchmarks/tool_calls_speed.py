@@ -17,11 +17,9 @@ specedge's target-only.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from anchors import ort_genai  # noqa: E402
+from report import emit, interleaved_args  # noqa: E402
 
 from specedge.runtime.pair import GenerationConfig, Pair  # noqa: E402
 from specedge.runtime.tool_calls import ToolSet  # noqa: E402
@@ -85,20 +84,10 @@ def fits(calls: tuple[Any, ...]) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pair", type=Path)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = interleaved_args(__doc__)
     started = time.time()
-    tmp = Path(tempfile.mkdtemp())
-    target_dir = ort_genai.make_genai_folder(args.pair, tmp / "t", draft=False, target_threads=2,
-                                             draft_threads=None)
-    spec_dir = ort_genai.make_genai_folder(args.pair, tmp / "s", draft=True, target_threads=2,
-                                           draft_threads=1)
+    genai_t, genai_s = ort_genai.target_and_speculative(args.pair)
     pair = Pair.load(args.pair)
-    genai_t, genai_s = ort_genai.load(target_dir), ort_genai.load(spec_dir)
     plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(TOOLS, "required", False))
     grammar = plan.grammar
     assert grammar is not None
@@ -194,10 +183,7 @@ def main() -> None:
               f"**{served / best_g:.2f}x** its best speculative (it keeps no prefix between "
               "requests).", "",
               f"A reply (the first request, target-only): `{example!r}`"]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        args.out.write_text(report)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

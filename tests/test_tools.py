@@ -19,7 +19,6 @@ from specedge.runtime.errors import InputError
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.server import ServerOptions, create_app
-from specedge.runtime.serving import ContinuousBatch
 from specedge.runtime.text import Tokenizer
 from specedge.runtime.tool_calls import (
     HERMES,
@@ -34,6 +33,7 @@ from specedge.runtime.tool_calls import (
 from specedge.runtime.tool_prompt import ToolPlan
 
 from .test_hardening import pair_copy, rehash
+from .test_penalties import rows_three_ways
 from .test_serve import FORMS, Served, running
 
 __all__ = ["pair_copy"]  # a fixture, imported for the tests below
@@ -246,14 +246,7 @@ def test_forced_calls_in_batches_equal_batch_one(fixtures_dir: Path) -> None:
                                 sampling=SamplingParams(temperature=0.8, seed=2)),
                GenerationConfig(max_new_tokens=40, drafter="model", num_draft_tokens=3,
                                 adaptive=False)]
-    solo = [pair.generate(p, c) for p, c in zip(prompts, configs, strict=True)]
-    batch = pair.generate_batch(prompts, configs).results
-    server = ContinuousBatch(pair, capacity=2, drafter="model", num_draft_tokens=3,
-                             adaptive=False)
-    rids = [server.submit_ids(p, c) for p, c in zip(prompts, configs, strict=True)]
-    served = server.run()
-    for one, row, rid in zip(solo, batch, rids, strict=True):
-        assert row.tokens == one.tokens == served[rid].tokens
+    rows_three_ways(pair, prompts, configs)  # batch 1, a batch, a continuous batch agree
 
 
 # ------------------------------------------------------------------------------ the server

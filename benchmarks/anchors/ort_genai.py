@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,17 @@ def run_genai(folder: Path, prompts_ids: list[list[int]], max_new_tokens: int, *
             for prompt in prompts_ids]
     del model
     return runs
+
+
+def target_and_speculative(pair_dir: Path) -> tuple[tuple[Any, dict[str, Any]],
+                                                     tuple[Any, dict[str, Any]]]:
+    """ORT GenAI's target-only model and its speculative one (draft and target) on a pair's
+    own files, at its best thread plan on a 2-core machine (target 2 threads, draft 1)."""
+    tmp = Path(tempfile.mkdtemp())
+    target = make_genai_folder(pair_dir, tmp / "t", draft=False, target_threads=2,
+                               draft_threads=None)
+    spec = make_genai_folder(pair_dir, tmp / "s", draft=True, target_threads=2, draft_threads=1)
+    return load(target), load(spec)
 
 
 def load(folder: Path) -> tuple[Any, dict[str, Any]]:
