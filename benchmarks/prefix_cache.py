@@ -9,6 +9,11 @@ alternating): a pair that keeps no caches (`prefix_cache=0`) and one that keeps 
 does. Greedy replies must be identical; the table gives, per turn, the prompt's
 tokens, those a kept prefix held, and the median time to the first token (prefill + first
 token) and end-to-end time of each. Writes markdown with --out.
+
+    python benchmarks/prefix_cache.py pairs/smollm2-135m-fast --draft-prefills-ahead
+
+adds a third pair, interleaved too: cached, its self-draft computing its own keys and values
+when prefilling ahead (`Pair.shares_prompt_kv = False`) instead of copying the target's.
 """
 
 from __future__ import annotations
@@ -35,10 +40,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.jsonl")))
     ap.add_argument("--out", default=None, help="write the table as markdown here")
+    ap.add_argument("--draft-prefills-ahead", action="store_true",
+                    help="add a cached pair whose self-draft prefills its own keys ahead")
     args = ap.parse_args()
     base = Pair.load(args.pair)
-    pairs = {size: Pair(base.manifest, base.tokenizer, base.target, base.draft, size)
-             for size in (0, 1)}
+    pairs = {size: Pair(base.manifest, base.tokenizer, base.target, base.draft, min(size, 1))
+             for size in (0, 1, 2)[:3 if args.draft_prefills_ahead else 2]}
+    if args.draft_prefills_ahead:
+        if not base.shares_prompt_kv:
+            raise SystemExit(f"{args.pair}: its draft is not a self-draft of its target")
+        pairs[2].shares_prompt_kv = False
     questions = list(read_prompts(Path(args.prompts)))
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, chat=True)
     rows: dict[int, dict[str, list[float]]] = {}
@@ -50,7 +61,7 @@ def main() -> None:
             question = questions[(c * args.turns + turn) % len(questions)]
             messages.append({"role": "user", "content": question})
             texts = {}
-            order = (0, 1) if (c + turn) % 2 == 0 else (1, 0)
+            order = list(pairs)[::1 if (c + turn) % 2 == 0 else -1]
             for size in order:
                 t0 = time.perf_counter()
                 stream = pairs[size].stream(messages, config)
@@ -68,14 +79,16 @@ def main() -> None:
                     t1 = time.perf_counter()
                     pairs[size].prefill_ahead(pairs[size].conversation_ids(
                         messages, result.text))
-                    row.setdefault("ahead", []).append(time.perf_counter() - t1)
+                    row.setdefault(f"ahead{size}", []).append(time.perf_counter() - t1)
+                    row.setdefault(f"acceptance{size}", []).append(
+                        result.stats.acceptance_rate)
                 row.setdefault(f"ttft{size}", []).append(first or result.stats.total_s)
                 row.setdefault(f"total{size}", []).append(result.stats.total_s)
                 row.setdefault("prompt", []).append(result.stats.prompt_tokens)
-                if size:
+                if size == 1:
                     row.setdefault("cached", []).append(result.stats.cached_tokens)
             total += 1
-            same += texts[0] == texts[1]
+            same += len(set(texts.values())) == 1
             messages.append({"role": "assistant", "content": texts[0]})
     elapsed = time.perf_counter() - start
 
@@ -91,8 +104,10 @@ def main() -> None:
         lines.append(f"| {turn + 1} | {med(r['prompt']):.0f} | {med(r['cached']):.0f} | "
                      f"{med(r['ttft0']) * 1e3:.0f} | {med(r['ttft1']) * 1e3:.0f} | "
                      f"{med(r['ttft0']) / med(r['ttft1']):.2f} | {med(r['total0']) * 1e3:.0f} | "
-                     f"{med(r['total1']) * 1e3:.0f} | {med(r['ahead']) * 1e3:.0f} |")
+                     f"{med(r['total1']) * 1e3:.0f} | {med(r['ahead1']) * 1e3:.0f} |")
     ttft = [sum(x for r in rows.values() for x in r[f"ttft{s}"]) for s in (0, 1)]
+    if 2 in pairs:
+        lines += ["", *_ahead_lines(rows)]
     head = [
         f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {elapsed / 60:.1f} min, "
         f"`python benchmarks/prefix_cache.py {args.pair} --turns {args.turns} --conversations "
@@ -103,7 +118,8 @@ def main() -> None:
         "",
         *lines,
         "",
-        f"- Replies identical with and without the cache: {same}/{total}.",
+        f"- Replies identical with and without the cache: {same}/{total}"
+        + (" (all three pairs)." if 2 in pairs else "."),
         f"- Time to first token over all turns: {ttft[0]:.2f} s without, {ttft[1]:.2f} s with "
         f"the cache ({ttft[0] / ttft[1]:.2f}x).",
         "- What a turn reuses: the whole 128-token chunks of the previous prompt and reply. "
@@ -122,6 +138,28 @@ def main() -> None:
         Path(args.out).write_text(f"# Prefix caching: multi-turn chat\n\n{text}\n")
     if same != total:
         raise SystemExit("replies differ with the prefix cache")
+
+
+def _ahead_lines(rows: dict[int, dict[str, list[float]]]) -> list[str]:
+    """The cached pair against the one whose self-draft prefills its own keys ahead."""
+    sums = [sum(x for r in rows.values() for x in r[f"{key}{s}"])
+            for key in ("ahead", "ttft") for s in (1, 2)]
+    acc = [statistics.median(x for r in rows.values() for x in r[f"acceptance{s}"])
+           for s in (1, 2)]
+    lines = ["| turn | prefilled ahead, draft copies the target's (ms) | prefilled ahead, "
+             "draft computes its own (ms) | first token, copied / own (ms) |",
+             "|---|---|---|---|"]
+    for turn, r in sorted(rows.items()):
+        ahead = [statistics.median(r[f"ahead{s}"]) * 1e3 for s in (1, 2)]
+        ttft = [statistics.median(r[f"ttft{s}"]) * 1e3 for s in (1, 2)]
+        lines.append(f"| {turn + 1} | {ahead[0]:.0f} | {ahead[1]:.0f} | {ttft[0]:.0f} / "
+                     f"{ttft[1]:.0f} |")
+    return [*lines, "",
+            f"- Prefilling ahead over all turns: {sums[0]:.2f} s with the draft copying the "
+            f"target's keys and values, {sums[1]:.2f} s with it computing its own "
+            f"({sums[1] / max(sums[0], 1e-9):.2f}x the time); time to first token "
+            f"{sums[2]:.2f} s against {sums[3]:.2f} s; median acceptance {acc[0]:.2f} against "
+            f"{acc[1]:.2f}."]
 
 
 if __name__ == "__main__":

@@ -325,8 +325,9 @@ class RowJoins:
     def prefill_ahead(self, ids: Sequence[int]) -> int:
         """Prefill the whole chunks of `ids` (a conversation so far) into the free slot that
         holds their start (`SlotPrefixes.extendable`), so that a request starting with them
-        prefills only what follows; the draft's row too where it holds their start. Returns
-        how many of `ids` the slot now holds (0: no free slot holds their start)."""
+        prefills only what follows; the draft's row too where it holds their start (a
+        self-draft's row copies the target's, as a joining row's does). Returns how many of
+        `ids` the slot now holds (0: no free slot holds their start)."""
         slot = self.prefixes.extendable(self.free, ids)
         if slot is None:
             return 0
@@ -338,10 +339,15 @@ class RowJoins:
         try:
             self.t_cache.lengths[slot] = len(held.target)
             feed_row(self.target, self.t_cache, slot, ids, end)
-            if (self.draft is not None and self.d_cache is not None and held.draft is not None
-                    and tuple(ids[:len(held.draft)]) == held.draft):
-                self.d_cache.lengths[slot] = len(held.draft)
-                feed_row(self.draft, self.d_cache, slot, ids, end)
+            start = (len(held.draft) if held.draft is not None
+                     and tuple(ids[:len(held.draft)]) == held.draft else None)
+            if self.draft is not None and self.d_cache is not None and \
+                    (start is not None or self.share_prompt_kv):
+                self.d_cache.lengths[slot] = start or 0
+                if self.share_prompt_kv:
+                    self.d_cache.copy_from(self.t_cache, start or 0, end, slot)
+                else:
+                    feed_row(self.draft, self.d_cache, slot, ids, end)
                 draft = tuple(ids[:end])
         except BaseException:
             self.prefixes.forget()

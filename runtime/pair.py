@@ -345,7 +345,8 @@ class Pair:
         entry = self.prefixes.take_extendable(ids)
         if entry is None:
             return 0
-        extend(entry, len(entry.ids), ids, (self.target, self.draft))
+        extend(entry, len(entry.ids), ids, (self.target, self.draft),
+               share_prompt_kv=self.shares_prompt_kv)
         self.prefixes.put(entry)
         return len(entry.ids)
 

@@ -115,18 +115,26 @@ def prompt_logprobs(model: OrtModel, ids: Sequence[int], top: int = 0) -> list[T
     return out
 
 
-def extend(entry: Entry, skip: int, ids: Sequence[int], models: Sequence[OrtModel | None]
-           ) -> None:
+def extend(entry: Entry, skip: int, ids: Sequence[int], models: Sequence[OrtModel | None],
+           share_prompt_kv: bool = False) -> None:
     """Make `entry` hold the whole chunks of `ids` (up to its capacity), of which it holds the
     first `skip` tokens: both caches (`models`: the target's and the draft's) roll back to
-    `skip` and are fed the rest in `prefill_chunks`, the calls a cold prefill of `ids` makes."""
+    `skip` and are fed the rest in `prefill_chunks`, the calls a cold prefill of `ids` makes.
+    With `share_prompt_kv` (a self-draft, `drafters.self_draft`) the draft's cache copies the
+    target's new positions instead of computing them, as a cold generation's draft does."""
     end = min(len(ids), entry.capacity) // PREFILL_CHUNK * PREFILL_CHUNK
     if end <= skip:
         return
-    for model, cache in zip(models, (entry.target, entry.draft), strict=True):
-        if model is not None and cache is not None:
-            cache.rollback(skip)
-            feed(model, cache, ids[:end])
+    target, draft = models
+    assert target is not None
+    entry.target.rollback(skip)
+    feed(target, entry.target, ids[:end])
+    if draft is not None and entry.draft is not None:
+        entry.draft.rollback(skip)
+        if share_prompt_kv and entry.draft.same_layout(entry.target):
+            entry.draft.copy_from(entry.target, skip, end)
+        else:
+            feed(draft, entry.draft, ids[:end])
     entry.ids = tuple(ids[:end])
 
 

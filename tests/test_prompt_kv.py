@@ -11,7 +11,7 @@ import pytest
 
 from specedge.runtime.drafters import ModelDrafter, build_drafter, self_draft
 from specedge.runtime.pair import GenerationConfig, Pair
-from specedge.runtime.prefix_cache import feed
+from specedge.runtime.prefix_cache import PREFILL_CHUNK, feed
 from specedge.runtime.sampling import SamplingParams
 
 LONG = ("Speculative decoding drafts tokens and verifies them in one pass. " * 12).strip()
@@ -106,3 +106,72 @@ def test_batches_share_the_prompt_and_change_no_token(concat_dir: Path) -> None:
                                               t_cache.host[:, row.index, :, :n])
         served = server.run()
         assert [served[r].tokens for r in rids] == want, shares
+
+
+def test_a_prefill_ahead_copies_the_targets_keys_into_the_draft(
+        tiny_pair_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Pair.prefill_ahead` (idle time between chat turns): a self-draft's kept cache takes the
+    conversation's keys and values from the target's, as a cold generation's draft does, so
+    the next turn drafts (and accepts) exactly as from empty caches, with no draft call ahead."""
+    config = GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=3,
+                              adaptive=False)
+    cold = Pair.load(tiny_pair_dir)
+    warm = Pair.load(tiny_pair_dir, prefix_cache=1)
+    first = np.random.default_rng(3).integers(0, 300, 2 * PREFILL_CHUNK - 10).tolist()
+    got = warm.generate_ids(first, config)[0]
+    history = first + got
+    draft_calls: list[int] = []
+    feed_draft = warm.draft.feed  # type: ignore[union-attr]
+    monkeypatch.setattr(warm.draft, "feed",
+                        lambda cache, ids: (draft_calls.append(ids.shape[1]),
+                                            feed_draft(cache, ids))[1])
+    held = warm.prefill_ahead(history)
+    monkeypatch.undo()
+    assert held == len(history) // PREFILL_CHUNK * PREFILL_CHUNK and draft_calls == []
+    assert held > PREFILL_CHUNK
+    entry = warm.prefixes.take_extendable(history)
+    assert entry is not None and entry.draft is not None
+    for mine, theirs in zip(_kv(entry.draft, held), _kv(entry.target, held), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    warm.prefixes.put(entry)
+    prompt = history + [5, 6, 7]
+    tokens, reason, stats = warm.generate_ids(prompt, config)
+    want, want_reason, want_stats = cold.generate_ids(prompt, config)
+    assert stats.cached_tokens == held and (tokens, reason) == (want, want_reason)
+    assert (stats.rounds, stats.accepted) == (want_stats.rounds, want_stats.accepted)
+
+
+def test_a_batch_prefill_ahead_copies_the_targets_keys_into_the_draft(
+        concat_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ContinuousBatch.prefill_ahead`: a self-draft's row of the free slot takes the target
+    row's keys and values, bit for bit, with no draft call; the next turn equals its cold
+    target-only run."""
+    from specedge.runtime.serving import ContinuousBatch
+
+    config = GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=3,
+                              adaptive=False)
+    pair = Pair.load(concat_dir)
+    assert pair.shares_prompt_kv
+    server = ContinuousBatch(pair, capacity=2, drafter="model", num_draft_tokens=3,
+                             adaptive=False)
+    first = np.random.default_rng(4).integers(0, 300, 2 * PREFILL_CHUNK - 10).tolist()
+    rid = server.submit_ids(first, config)
+    history = first + server.run()[rid].tokens
+    draft_rows: list[int] = []
+    rows_step = pair.draft._rows_step  # type: ignore[union-attr]
+    monkeypatch.setattr(pair.draft, "_rows_step",
+                        lambda *a, **k: (draft_rows.append(1), rows_step(*a, **k))[1])
+    held = server.prefill_ahead(history)
+    monkeypatch.undo()
+    assert held > PREFILL_CHUNK and draft_rows == []
+    t_cache, d_cache = server.decoder.t_cache, server.decoder.d_cache
+    assert d_cache is not None
+    slot = next(s for s in range(2) if int(t_cache.lengths[s]) == held)
+    assert int(d_cache.lengths[slot]) == held
+    np.testing.assert_array_equal(d_cache.host[:, slot, :, :held],
+                                  t_cache.host[:, slot, :, :held])
+    prompt = history + [5, 6, 7]
+    rid = server.submit_ids(prompt, config)
+    result = server.run()[rid]
+    want = Pair.load(concat_dir).generate_ids(prompt, replace(config, drafter="none"))[0]
+    assert result.tokens == want and result.stats.cached_tokens == held
