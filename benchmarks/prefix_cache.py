@@ -111,7 +111,8 @@ def main() -> None:
     head = [
         f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {elapsed / 60:.1f} min, "
         f"`python benchmarks/prefix_cache.py {args.pair} --turns {args.turns} --conversations "
-        f"{args.conversations} --max-new-tokens {args.max_new_tokens}`.",
+        f"{args.conversations} --max-new-tokens {args.max_new_tokens}"
+        f"{' --draft-prefills-ahead' if 2 in pairs else ''}`.",
         f"Machine: {platform.machine()}, Python {platform.python_version()}; pair "
         f"{args.pair} ({base.target.steps_note()}); greedy, the pair's default drafting; "
         f"median over {args.conversations} conversations.",
@@ -135,7 +136,8 @@ def main() -> None:
     text = "\n".join(head)
     print(text)
     if args.out:
-        Path(args.out).write_text(f"# Prefix caching: multi-turn chat\n\n{text}\n")
+        title = "Prefilling ahead with a self-draft" if 2 in pairs else "Prefix caching"
+        Path(args.out).write_text(f"# {title}: multi-turn chat\n\n{text}\n")
     if same != total:
         raise SystemExit("replies differ with the prefix cache")
 
@@ -158,8 +160,8 @@ def _ahead_lines(rows: dict[int, dict[str, list[float]]]) -> list[str]:
             f"- Prefilling ahead over all turns: {sums[0]:.2f} s with the draft copying the "
             f"target's keys and values, {sums[1]:.2f} s with it computing its own "
             f"({sums[1] / max(sums[0], 1e-9):.2f}x the time); time to first token "
-            f"{sums[2]:.2f} s against {sums[3]:.2f} s; median acceptance {acc[0]:.2f} against "
-            f"{acc[1]:.2f}."]
+            f"{sums[2]:.2f} s against {sums[3]:.2f} s (that pair's draft also prefills each "
+            f"new message itself); median acceptance {acc[0]:.2f} against {acc[1]:.2f}."]
 
 
 if __name__ == "__main__":
