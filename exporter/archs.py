@@ -55,6 +55,11 @@ ARCHS: dict[str, ArchSpec] = {
         ArchSpec("gemma3_text", "Gemma3ForCausalLM", "gqa-shared",
                  dict(_LLAMA_LIKE, head_dim=16, sliding_window=64, query_pre_attn_scalar=16,
                       sliding_window_pattern=2)),
+        ArchSpec("smollm3", "SmolLM3ForCausalLM", "gqa-shared",
+                 dict(_LLAMA_LIKE, no_rope_layer_interval=2), "SmolLM3"),
+        ArchSpec("granite", "GraniteForCausalLM", "gqa-shared",
+                 dict(_LLAMA_LIKE, embedding_multiplier=2.0, attention_multiplier=0.2,
+                      residual_multiplier=0.5, logits_scaling=4.0), "Granite 3.x"),
         ArchSpec("gpt2", "GPT2LMHeadModel", "concat",
                  dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
     )

@@ -15,6 +15,10 @@
   reads the flat `rope_parameters["rope_type"]`, `rope_theta` and `rope_local_base_freq`, and
   fails. Both kinds with default rotary flatten losslessly; any other scaling is left alone
   (the builder then fails, and `archs.builder_can_take` keeps such a model in the concat form).
+- smollm3: the builder (0.18) marks a NoPE layer (`no_rope_layers[i] == 0`) as one whose rotary
+  runs outside attention, which needs the `position_ids` input that fused rotary removed (a
+  KeyError) and would rotate a layer that takes no rotary at all. `fix_smollm3` builds such a
+  layer with no rotary (GroupQueryAttention's `do_rotary=0`); validation against torch checks it.
 """
 
 from __future__ import annotations
@@ -87,10 +91,32 @@ def install_checks() -> None:
     PreTrainedModel.from_pretrained = classmethod(model_from_pretrained)  # type: ignore[assignment]
 
 
+def fix_smollm3() -> None:
+    """Build SmolLM3's NoPE layers without rotary (see the module docstring)."""
+    import onnxruntime_genai.models  # noqa: F401  (puts the builder's `builders` on sys.path)
+    from builders.smollm import SmolLM3Model  # type: ignore[import-not-found]
+
+    build = SmolLM3Model.make_attention
+
+    def make_attention(self: Any, layer_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.no_rope_layers[layer_id]:
+            return build(self, layer_id, *args, **kwargs)
+        attrs = self.attention_attrs
+        saved = attrs["rope"], attrs["use_rope_in_attn"]
+        attrs["rope"] = False
+        try:  # the builder's own method sets use_rope_in_attn from no_rope_layers; keep it off
+            return build(self, layer_id, *args, **kwargs)
+        finally:
+            attrs["rope"], attrs["use_rope_in_attn"] = saved
+
+    SmolLM3Model.make_attention = make_attention
+
+
 def main(argv: list[str]) -> None:
     from specedge.runtime.errors import ExportError
 
     install_checks()
+    fix_smollm3()
     sys.argv = ["onnxruntime_genai.models.builder", *argv]
     try:
         runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)

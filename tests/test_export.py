@@ -15,7 +15,8 @@ pytestmark = [
 
 from specedge.runtime.errors import SpecEdgeError  # noqa: E402
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "gpt2"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
+         "smollm3", "granite", "gpt2"]
 
 
 @pytest.fixture(scope="module")
@@ -357,15 +358,17 @@ LONG_ROPE = {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
     # switch rotates by its own total length, as HF's long RoPE does, so a batched row, whose
     # padded length is the batch's, may cross it earlier than alone).
     ("phi3", LONG_ROPE),
+    ("smollm3", {}),  # a NoPE layer (no rotary) beside a rotary one
+    ("granite", {}),  # embedding, attention, residual and logit multipliers
 ], ids=["qwen3", "phi3", "gemma", "gemma2", "gemma3-window", "phi3-partial-rotary",
-        "phi3-longrope"])
+        "phi3-longrope", "smollm3", "granite"])
 def test_families_export_in_the_fused_concat_form(work: Path, arch: str,
                                                    sizes: dict[str, object]) -> None:
     """`--graph concat` rewrites the builder's attention for every builder family (separate
     q/k/v inputs with Qwen3's q/k norms, Gemma's scale, Gemma 3's sliding windows, partial and
-    long RoPE), and falls back to the torch export for soft-capping (Gemma 2). Batched greedy
-    rows equal their batch-1 runs (rows padded with holes: the window counts true
-    positions)."""
+    long RoPE, SmolLM3's layers without rotary, Granite's multipliers), and falls back to the
+    torch export for soft-capping (Gemma 2). Batched greedy rows equal their batch-1 runs (rows
+    padded with holes: the window counts true positions)."""
     from specedge.exporter.tiny import make_tiny_model
     from specedge.runtime.pair import GenerationConfig, Pair
 
