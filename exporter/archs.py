@@ -60,6 +60,10 @@ ARCHS: dict[str, ArchSpec] = {
         ArchSpec("granite", "GraniteForCausalLM", "gqa-shared",
                  dict(_LLAMA_LIKE, embedding_multiplier=2.0, attention_multiplier=0.2,
                       residual_multiplier=0.5, logits_scaling=4.0), "Granite 3.x"),
+        ArchSpec("ernie4_5", "Ernie4_5ForCausalLM", "gqa-shared", dict(_LLAMA_LIKE, head_dim=16),
+                 "ERNIE 4.5"),
+        ArchSpec("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM", "gqa-shared",
+                 dict(_LLAMA_LIKE, head_dim=16), "Hunyuan dense"),
         ArchSpec("gpt2", "GPT2LMHeadModel", "concat",
                  dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)),
     )

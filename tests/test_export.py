@@ -16,7 +16,7 @@ pytestmark = [
 from specedge.runtime.errors import SpecEdgeError  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
-         "smollm3", "granite", "gpt2"]
+         "smollm3", "granite", "ernie4_5", "hunyuan_v1_dense", "gpt2"]
 
 
 @pytest.fixture(scope="module")
@@ -360,8 +360,9 @@ LONG_ROPE = {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8,
     ("phi3", LONG_ROPE),
     ("smollm3", {}),  # a NoPE layer (no rotary) beside a rotary one
     ("granite", {}),  # embedding, attention, residual and logit multipliers
+    ("ernie4_5", {}), ("hunyuan_v1_dense", {}),  # interleaved rotary; q/k norms after rotary
 ], ids=["qwen3", "phi3", "gemma", "gemma2", "gemma3-window", "phi3-partial-rotary",
-        "phi3-longrope", "smollm3", "granite"])
+        "phi3-longrope", "smollm3", "granite", "ernie4_5", "hunyuan"])
 def test_families_export_in_the_fused_concat_form(work: Path, arch: str,
                                                    sizes: dict[str, object]) -> None:
     """`--graph concat` rewrites the builder's attention for every builder family (separate
