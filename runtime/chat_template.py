@@ -27,13 +27,17 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.visitor
 
-from .errors import InputError
+from .errors import FieldError, InputError
 
 #: Limits of one chat-template render.
 RENDER_SECONDS = 1.0
 RENDER_STEPS = 1_000_000  # loop iterations, calls, attribute and item lookups, operators
 MAX_INT_BITS = 4096
 MAX_TEMPLATE_CHARS = 1 << 20  # real chat templates are a few KiB
+# The variables the renderer sets itself, which a request's template variables may not replace.
+RESERVED_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+                      "raise_exception", "strftime_now")
+MAX_VARIABLES = 32
 
 
 def pick_chat_template(value: Any) -> str | None:
@@ -407,9 +411,11 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
                bos_token: str, eos_token: str, max_chars: int,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               variables: Mapping[str, Any] | None = None) -> str:
         """Renders chat messages with `messages`, `add_generation_prompt`, `bos_token`,
-        `eos_token` and `tools` (None, as transformers passes it, when there are none),
+        `eos_token` and `tools` (None, as transformers passes it, when there are none), and
+        `variables` (more template variables, e.g. `enable_thinking`: `template_variables`),
         bounded to `RENDER_SECONDS`, `RENDER_STEPS` and `max_chars` characters for any value
         and for the output.
 
@@ -424,6 +430,7 @@ class ChatTemplate:
         size = 0
         try:
             for part in self.template.generate(
+                **template_variables(variables),
                 messages=checked,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos_token,
@@ -450,3 +457,26 @@ class ChatTemplate:
                 f"the chat template failed to render: {type(exc).__name__}: {str(exc)[:200]}"
             ) from None
         return "".join(parts)
+
+
+def template_variables(value: Any, where: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Extra chat template variables (a request's `chat_template_kwargs`, as vLLM and
+    llama.cpp's server take them: `{"enable_thinking": false}` for Qwen3), checked: at most
+    `MAX_VARIABLES` names, none of the `RESERVED_VARIABLES` the renderer sets.
+
+    Raises:
+        FieldError: naming `where` (or the offending name in it).
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or len(value) > MAX_VARIABLES:
+        raise FieldError(where, f"expected an object of at most {MAX_VARIABLES} template "
+                                "variables, e.g. {\"enable_thinking\": false}")
+    for name in value:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise FieldError(where, f"{name!r} is not a template variable name")
+        if name in RESERVED_VARIABLES:
+            raise FieldError(f"{where}.{name}", "is set by the server itself; send it the "
+                                                "way the API does (messages, tools, ...)")
+    return dict(value)
+

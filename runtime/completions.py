@@ -25,8 +25,10 @@ from .openai_api import APIError, ParsedRequest, error_body, parse_request
 from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_json
 from .openai_responses import SSE_DONE, ResponseShape, finish_reason, sse, tool_calls_json
 from .pair import GenerationConfig, GenerationResult
+from .reasoning import ReasoningFormat
+from .reply_reader import ReplyPart, ReplyReader
 from .server_http import Bridge, GenerationStream, read_json
-from .tool_calls import ToolCall, ToolFormat, ToolStream
+from .tool_calls import ToolFormat
 from .tool_prompt import ToolPlan, has_tool_turns
 
 if TYPE_CHECKING:
@@ -66,9 +68,8 @@ async def complete(request: Request, state: ServerState, kind: str) -> Response:
     shape = ResponseShape.new(kind, state.defaults.model)
     bridge = Bridge(asyncio.get_running_loop())
     choices = _submit(state, parsed, fitted, bridge)
-    tools = fitted.plan.fmt if fitted.plan is not None and fitted.plan.parses_calls else None
     if parsed.stream:
-        return GenerationStream(_events(shape, bridge, parsed, state, choices, tools),
+        return GenerationStream(_events(shape, bridge, parsed, state, choices, fitted),
                                 on_close=lambda: _cancel(state, choices))
     results = await _collect(request, bridge, choices, state)
     token_bytes = state.pair.tokenizer.token_bytes
@@ -76,40 +77,65 @@ async def complete(request: Request, state: ServerState, kind: str) -> Response:
         (result, _result_logprobs(kind, parsed, choice, result, token_bytes),
          _echo_text(state, choice) if parsed.echo else "")
         for choice, result in zip(choices, results, strict=True)],
-        tools=[tools.parse(r.text) for r in results] if tools is not None else ()))
+        read=[_read(fitted, r.text) for r in results]))
 
 
 @dataclass(frozen=True)
 class _Fitted:
-    """A request's prompts as submitted (a tool-calling conversation as its rendered ids),
-    each one's config, and how its replies are read for tool calls (None: plain text)."""
+    """A request's prompts as submitted (a chat rendered here: tools, template variables or
+    a reasoning model, as its ids), each one's config, and how its replies are read: for tool
+    calls (`tools`) and thinking (`reasoning`; `inside`: the prompt opened the block)."""
 
     prompts: list[Prompt]
     configs: list[GenerationConfig]
-    plan: ToolPlan | None
+    tools: ToolFormat | None = None
+    reasoning: ReasoningFormat | None = None
+    inside: bool = False
+
+    def reader(self) -> ReplyReader | None:
+        """A reader of one reply (None: its text is returned as it is)."""
+        if self.tools is None and self.reasoning is None:
+            return None
+        return ReplyReader(self.tools, self.reasoning, self.inside)
 
 
-def _tool_prompt(state: ServerState, parsed: ParsedRequest
-                 ) -> tuple[list[Prompt], GenerationConfig, ToolPlan | None]:
-    """A chat request with tools or tool turns: its messages rendered with the tools, and the
-    grammar of a reply of calls only ("required" or a named function)."""
+def _read(fitted: _Fitted, text: str) -> tuple[ReplyPart, bool] | None:
+    """What a whole reply holds (None: plain text), and whether it reasoned."""
+    reader = fitted.reader()
+    if reader is None:
+        return None
+    return reader.read(text), reader.reasoned
+
+
+def _chat_prompt(state: ServerState, parsed: ParsedRequest) -> _Fitted:
+    """A chat request that needs its prompt rendered here (tools or tool turns, template
+    variables, or a reasoning model, whose prompt may open its thinking block), as its ids
+    with the grammar of a reply of calls only ("required" or a named function); any other
+    request as it came (configs filled in by `_fit_all`)."""
     messages = cast(list[dict[str, Any]], parsed.prompt)  # chat: the checked messages
-    if parsed.kind != "chat" or not (parsed.tools or has_tool_turns(messages)):
-        return list(parsed.prompts), parsed.config, None
+    tooled = parsed.kind == "chat" and bool(parsed.tools or has_tool_turns(messages))
+    if parsed.kind != "chat" or not (tooled or parsed.template_variables or state.reasoning):
+        return _Fitted(list(parsed.prompts), [parsed.config])
+    tokenizer = state.pair.tokenizer
+    plan = ToolPlan.for_tokenizer(tokenizer, parsed.tools) if tooled else None
     try:
-        plan = ToolPlan.for_tokenizer(state.pair.tokenizer, parsed.tools)
-        ids = plan.prompt_ids(state.pair.tokenizer, messages)
-    except InputError as exc:  # the chat template refuses the conversation or the tools
+        text = plan.prompt_text(tokenizer, messages, parsed.template_variables) if plan \
+            else tokenizer.render_chat(messages, variables=parsed.template_variables)
+        ids = tokenizer.encode_rendered(text)
+    except InputError as exc:  # the template refuses the conversation, tools or variables
         raise APIError(400, state.public(str(exc)), param="messages") from None
     try:
-        grammar = plan.grammar
+        grammar = plan.grammar if plan else None
     except InputError as exc:  # a parameters schema that does not compile
         raise APIError(400, str(exc), param="tools") from None
     if grammar is not None and parsed.config.grammar is not None:
         raise APIError(400, "give either a tool_choice that forces calls or a structured-"
                             "output field (response_format, ...), not both",
                        param="tool_choice")
-    return [ids], replace(parsed.config, grammar=grammar or parsed.config.grammar), plan
+    config = replace(parsed.config, grammar=grammar or parsed.config.grammar)
+    reasoning = state.reasoning
+    return _Fitted([ids], [config], plan.fmt if plan and plan.parses_calls else None,
+                   reasoning, reasoning is not None and reasoning.opened_by(text))
 
 
 def _fit_all(state: ServerState, parsed: ParsedRequest) -> _Fitted:
@@ -127,9 +153,10 @@ def _fit_all(state: ServerState, parsed: ParsedRequest) -> _Fitted:
             raise APIError(400, f"{param} names token id {outside[0]}, but this model's "
                                 f"vocabulary has {vocab} ids (0..{vocab - 1})", param=param)
     param = "messages" if parsed.kind == "chat" else "prompt"
-    prompts, config, plan = _tool_prompt(state, parsed)
+    fitted = _chat_prompt(state, parsed)
+    config = fitted.configs[0]
     configs = []
-    for prompt in prompts:
+    for prompt in fitted.prompts:
         try:
             ids = state.pair.encode_prompt(prompt)
             context = state.scheduler.context(config)
@@ -143,7 +170,7 @@ def _fit_all(state: ServerState, parsed: ParsedRequest) -> _Fitted:
                                 + (f" and {asked} more were requested." if room >= 1 else "."),
                            param=param, code="context_length_exceeded")
         configs.append(replace(config, max_new_tokens=min(asked, room)))
-    return _Fitted(prompts, configs, plan)
+    return replace(fitted, configs=configs)
 
 
 def _submit(state: ServerState, parsed: ParsedRequest, fitted: _Fitted,
@@ -218,14 +245,13 @@ def _result_logprobs(kind: str, parsed: ParsedRequest, choice: _Choice,
 
 
 async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest, state: ServerState,
-                  choices: Sequence[_Choice], tools: ToolFormat | None
-                  ) -> AsyncIterator[bytes]:
+                  choices: Sequence[_Choice], fitted: _Fitted) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed request, each choice's chunks as they come (a
-    reply read for tool calls: its text as it is known not to open a call, and each call as
-    it closes)."""
+    reply read for reasoning or tool calls: its reasoning and answer text as they are known
+    not to open a tag, and each call as it closes)."""
     wants = parsed.config.logprobs is not None
     token_bytes = state.pair.tokenizer.token_bytes
-    streams = {c.index: ToolStream(tools) for c in choices} if tools is not None else {}
+    readers = {c.index: fitted.reader() for c in choices}
     called: dict[int, int] = {}  # calls sent, by choice
 
     def logprobs(choice: _Choice, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
@@ -236,16 +262,25 @@ async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest, s
             choice.sent.extend(token_bytes(e.token))
         return out
 
-    def delta(index: int, text: str, found: Sequence[ToolCall],
-              lp: dict[str, Any] | None) -> Iterator[bytes]:
-        if text or (lp is not None and not found):
-            yield shape.chunk(text or None, logprobs=lp, index=index)
+    def delta(index: int, part: ReplyPart, lp: dict[str, Any] | None) -> Iterator[bytes]:
+        if part.reasoning:
+            yield shape.chunk(None, logprobs=lp, index=index, reasoning=part.reasoning)
             lp = None
-        if found:
+        if part.content or (lp is not None and not part.calls):
+            yield shape.chunk(part.content or None, logprobs=lp, index=index)
+            lp = None
+        if part.calls:
             first = called.get(index, 0)
-            called[index] = first + len(found)
+            called[index] = first + len(part.calls)
             yield shape.chunk(None, logprobs=lp, index=index,
-                              calls=tool_calls_json(found, first, chunk=True))
+                              calls=tool_calls_json(part.calls, first, chunk=True))
+
+    def read(index: int, text: str | None) -> ReplyPart:
+        """The part of choice `index`'s reply that `text` lets out (None: the reply ended)."""
+        reader = readers[index]
+        if reader is None:
+            return ReplyPart(content=text or "")
+        return reader.feed(text) if text is not None else reader.finish()
 
     if shape.kind == "chat":  # each choice's opening chunk
         for choice in choices:
@@ -267,17 +302,17 @@ async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest, s
             yield shape.chunk(_echo_text(state, choice), logprobs=echoed, index=index)
         if isinstance(event, Delta):
             choice.told += len(event.logprobs)
-            text, found = streams[index].feed(event.text) if streams else (event.text, [])
-            for chunk in delta(index, text, found, logprobs(choice, event.logprobs)):
+            for chunk in delta(index, read(index, event.text),
+                               logprobs(choice, event.logprobs)):
                 yield chunk
         elif isinstance(event, Finished):
             rest = (event.result.logprobs or [])[choice.told:]  # tokens no delta carried
             lp = logprobs(choice, rest) if rest else None
-            if streams:
-                text, found = streams[index].finish()
-                for chunk in delta(index, text, found, lp if text or found else None):
+            last = read(index, None)
+            if last.reasoning or last.content or last.calls:
+                for chunk in delta(index, last, lp):
                     yield chunk
-                lp = None if text or found else lp
+                lp = None
             yield shape.chunk(None, finish_reason(event.result.stop_reason,
                                                   called.get(index, 0) > 0),
                               lp, index=index)

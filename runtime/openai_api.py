@@ -23,9 +23,10 @@ and conversations with earlier calls and tool results (`runtime/openai_messages`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from .chat_template import template_variables
 from .errors import FieldError, InputError
 from .generation import prompt_ids
 from .logprobs import MAX_TOP_LOGPROBS
@@ -73,6 +74,8 @@ class RequestDefaults:
         drafter, num_draft_tokens, adaptive: the server's decoding plan (None: the pair's).
         per_request_plan: False when the plan is shared by the running batch (concat pairs):
             a request may then only repeat the server's drafter and K.
+        template_variables: chat template variables every chat request gets (a request's
+            `chat_template_kwargs` add to them and override them).
     """
 
     model: str
@@ -81,6 +84,7 @@ class RequestDefaults:
     num_draft_tokens: int | None = None
     adaptive: bool | None = None
     per_request_plan: bool = True
+    template_variables: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class ParsedRequest:
         echo: the completion's text (and logprobs) start with the prompt's (completions only).
         n: choices per prompt (a seeded request's choice j samples with seed + j).
         tools: the tools offered and how the reply may use them (chat; None: no tools).
+        template_variables: the chat template's extra variables (the server's, then the
+            request's `chat_template_kwargs`).
     """
 
     kind: str
@@ -108,6 +114,7 @@ class ParsedRequest:
     echo: bool = False
     n: int = 1
     tools: ToolSet | None = None
+    template_variables: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def prompt(self) -> Prompt:
@@ -186,6 +193,20 @@ def messages_field(value: Any) -> list[dict[str, Any]]:
     """
     try:
         return _messages(value)
+    except FieldError as exc:
+        raise _bad(exc.param, str(exc)) from None
+
+
+def _variables(kind: str, body: Mapping[str, Any], defaults: RequestDefaults
+               ) -> Mapping[str, Any]:
+    """The chat template's variables: the server's, with the request's
+    `chat_template_kwargs` (vLLM's field) over them."""
+    given = body.get("chat_template_kwargs")
+    if given is not None and kind != "chat":
+        raise _bad("chat_template_kwargs", "only the chat API (/v1/chat/completions) renders "
+                                           "a chat template", code="unsupported_parameter")
+    try:
+        return {**defaults.template_variables, **template_variables(given)}
     except FieldError as exc:
         raise _bad(exc.param, str(exc)) from None
 
@@ -383,4 +404,4 @@ def parse_request(kind: str, body: Any, defaults: RequestDefaults) -> ParsedRequ
                    code="unsupported_parameter")
     n = _int(body, "n", 1, MAX_N) or 1
     return ParsedRequest(kind, prompts, config, max_tokens is not None, stream, include_usage,
-                         echo, n, _tools(kind, body))
+                         echo, n, _tools(kind, body), _variables(kind, body, defaults))

@@ -57,7 +57,8 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 def messages_field(value: Any) -> list[dict[str, Any]]:
     """A request's `messages`: each one's role and text content (an assistant message with
-    `tool_calls` may have none), its calls, and a tool message's `tool_call_id` and `name`.
+    `tool_calls` may have none), its calls and the `reasoning_content` a reply came with (as
+    the server returns it), and a tool message's `tool_call_id` and `name`.
 
     Raises:
         FieldError: naming the message and field at fault.
@@ -84,6 +85,8 @@ def messages_field(value: Any) -> list[dict[str, Any]]:
                                  else _content(content, f"{where}.content")}
         if calls:
             entry["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "assistant" and isinstance(message.get("reasoning_content"), str):
+            entry["reasoning_content"] = message["reasoning_content"]  # Qwen3's template reads it
         if role == "tool":
             for key in ("tool_call_id", "name"):
                 if isinstance(message.get(key), str):

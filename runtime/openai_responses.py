@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .generation import GenerationResult
-from .tool_calls import ToolCall, ToolOutput
+from .reply_reader import ReplyPart
+from .tool_calls import ToolCall
 
 __all__ = ["SSE_DONE", "ResponseShape", "finish_reason", "sse", "tool_calls_json", "usage"]
 
@@ -74,13 +75,15 @@ class ResponseShape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def _choice(self, index: int, text: str | None, finish: str | None, chunk: bool,
-                logprobs: dict[str, Any] | None,
-                calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                logprobs: dict[str, Any] | None, calls: list[dict[str, Any]] | None = None,
+                reasoning: str | None = None) -> dict[str, Any]:
         if self.kind == "text":
             return {"index": index, "text": text or "", "logprobs": logprobs,
                     "finish_reason": finish}
         if not chunk:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = calls
             return {"index": index, "message": message, "logprobs": logprobs,
@@ -88,34 +91,40 @@ class ResponseShape:
         delta: dict[str, Any] = {} if text is None else {"content": text}
         if text == "":  # the opening chunk
             delta = {"role": "assistant", "content": ""}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if calls:
             delta["tool_calls"] = calls
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def body(self, choices: Sequence[tuple[GenerationResult, dict[str, Any] | None, str]],
-             tools: Sequence[ToolOutput | None] = ()) -> dict[str, Any]:
+             read: Sequence[tuple[ReplyPart, bool] | None] = ()) -> dict[str, Any]:
         """The whole (non-streaming) response: per choice, its result, its logprobs (see
         `openai_logprobs`) and the echoed prompt its text starts with ("" without echo); and,
-        for a chat reply read for tool calls, its text and calls (`tools`, by choice)."""
+        for a chat reply read for reasoning or tool calls, what `ReplyReader` found in it and
+        whether it reasoned (`read`, by choice)."""
         out = []
         for i, (result, logprobs, echo) in enumerate(choices):
-            found = tools[i] if i < len(tools) else None
-            text = echo + result.text if found is None else found.content
-            called = found is not None and bool(found.calls)
-            out.append(self._choice(i, text, finish_reason(result.stop_reason, called), False,
-                                    logprobs, tool_calls_json(found.calls) if called and found
-                                    else None))
+            entry = read[i] if i < len(read) else None
+            part, reasoned = (None, False) if entry is None else entry
+            text = echo + result.text if part is None else part.content or None
+            called = part is not None and bool(part.calls)
+            out.append(self._choice(
+                i, text, finish_reason(result.stop_reason, called), False, logprobs,
+                tool_calls_json(part.calls) if called and part else None,
+                (part.reasoning or None) if reasoned and part else None))
         return {**self._head(False), "choices": out,
                 "usage": usage([result for result, _, _ in choices])}
 
     def chunk(self, text: str | None, finish: str | None = None,
               logprobs: dict[str, Any] | None = None, index: int = 0,
-              calls: list[dict[str, Any]] | None = None) -> bytes:
+              calls: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> bytes:
         """One SSE event of choice `index`: a text delta ("" opens a chat stream; None with a
-        finish_reason or calls), with the logprobs of the tokens it adds (see
-        `openai_logprobs`) and the tool calls it completes (`tool_calls_json(chunk=True)`)."""
-        return sse({**self._head(True),
-                    "choices": [self._choice(index, text, finish, True, logprobs, calls)]})
+        finish_reason, calls or reasoning), with the logprobs of the tokens it adds (see
+        `openai_logprobs`), the tool calls it completes (`tool_calls_json(chunk=True)`) and
+        the reasoning text it adds."""
+        return sse({**self._head(True), "choices": [
+            self._choice(index, text, finish, True, logprobs, calls, reasoning)]})
 
     def usage_chunk(self, results: Sequence[GenerationResult]) -> bytes:
         """The final SSE event of `stream_options.include_usage`: no choices, the usage."""

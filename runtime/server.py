@@ -17,7 +17,7 @@ hypercorn).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,14 +31,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from .chat_template import template_variables
 from .completions import complete
-from .errors import InputError
+from .errors import FieldError, InputError
 from .metrics import Metrics
 from .openai_api import (
     APIError,
     RequestDefaults,
 )
 from .pair import GenerationConfig, Pair
+from .reasoning import ReasoningFormat
 from .scheduler import (
     Scheduler,
     SchedulerOptions,
@@ -80,6 +82,10 @@ class ServerOptions:
             (0: none), so the first request does not pay for cold sessions and a cold tuner.
         prefill_budget: prompt tokens a batching server prefills between two rounds while
             requests decode (0: whole prompts at once; `ContinuousBatch`).
+        template_variables: chat template variables for every chat request (e.g.
+            `{"enable_thinking": false}`); a request's `chat_template_kwargs` override them.
+        reasoning_format: "auto" returns a reasoning model's thinking apart
+            (`message.reasoning_content`, `runtime/reasoning`), "none" leaves it in the content.
     """
 
     host: str = "127.0.0.1"
@@ -98,6 +104,8 @@ class ServerOptions:
     adaptive: bool | None = None
     warmup_tokens: int = 8
     prefill_budget: int = 256
+    template_variables: Mapping[str, Any] = field(default_factory=dict)
+    reasoning_format: str = "auto"
 
     def __post_init__(self) -> None:
         checks = [("port", self.port, 0, 65535), ("max_batch", self.max_batch, 1, 256),
@@ -117,6 +125,13 @@ class ServerOptions:
                     or not 0 < seconds < float("inf"):
                 raise InputError(f"server option {name} must be a number of seconds > 0, got "
                                  f"{seconds!r}")
+        if self.reasoning_format not in ("auto", "none"):
+            raise InputError(f"server option reasoning_format must be 'auto' or 'none', got "
+                             f"{self.reasoning_format!r}")
+        try:
+            template_variables(self.template_variables, "--chat-template-kwargs")
+        except FieldError as exc:
+            raise InputError(f"{exc.param}: {exc}") from None
         if self.api_key is not None and not self.api_key.strip():
             raise InputError("the API key is empty; pass a non-empty --api-key or none")
 
@@ -138,6 +153,7 @@ class ServerState:
     scheduler: Scheduler
     metrics: Metrics
     defaults: RequestDefaults
+    reasoning: ReasoningFormat | None = None  # a reasoning model's thinking, returned apart
 
     def public(self, message: str) -> str:
         """A runtime message with the pair's folder replaced by the model id."""
@@ -171,8 +187,11 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
                                max_tokens_limit=options.max_tokens_limit,
                                drafter=options.drafter,
                                num_draft_tokens=options.num_draft_tokens,
-                               adaptive=options.adaptive, per_request_plan=not scheduler.batched)
-    state = ServerState(pair, options, scheduler, metrics, defaults)
+                               adaptive=options.adaptive, per_request_plan=not scheduler.batched,
+                               template_variables=dict(options.template_variables))
+    reasoning = (ReasoningFormat.for_template(pair.tokenizer.chat_template)
+                 if options.reasoning_format == "auto" else None)
+    state = ServerState(pair, options, scheduler, metrics, defaults, reasoning)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -243,7 +262,8 @@ async def _tokenizer_info(request: Request, state: ServerState) -> Response:
 
 async def _tokenize(request: Request, state: ServerState) -> Response:
     body = await read_json(request, state.options.max_body_bytes, state.options.receive_timeout_s)
-    return JSONResponse(await run_in_threadpool(tokenize, state.pair, body, _context(state)))
+    return JSONResponse(await run_in_threadpool(tokenize, state.pair, body, _context(state),
+                                                state.defaults.template_variables))
 
 
 async def _detokenize(request: Request, state: ServerState) -> Response:

@@ -394,6 +394,7 @@ class Tokenizer:
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Renders chat messages with the pair's chat template.
 
@@ -408,6 +409,7 @@ class Tokenizer:
                 keys are passed through to the template).
             add_generation_prompt: End with the header of an assistant turn.
             tools: The tools offered, as OpenAI writes them (`runtime/tool_prompt`).
+            variables: More template variables (`chat_template.template_variables`).
 
         Returns:
             The prompt text.
@@ -419,11 +421,12 @@ class Tokenizer:
         return self._template().render(
             messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._bos_token or "", eos_token=self._eos_token or "",
-            max_chars=self.max_chars, tools=tools)
+            max_chars=self.max_chars, tools=tools, variables=variables)
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Renders chat messages and encodes the result as-is (no extra special tokens).
 
@@ -431,6 +434,7 @@ class Tokenizer:
             messages: See `render_chat`.
             add_generation_prompt: See `render_chat`.
             tools: See `render_chat`.
+            variables: See `render_chat`.
 
         Returns:
             The prompt ids.
@@ -438,8 +442,16 @@ class Tokenizer:
         Raises:
             InputError: See `render_chat`; or the template rendered no tokens.
         """
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
-                                tools=tools)
+        return self.encode_rendered(self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            variables=variables))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """The ids of a prompt `render_chat` rendered (as it is: no extra special tokens).
+
+        Raises:
+            InputError: the template rendered no tokens.
+        """
         ids = self.encode(text, add_special_tokens=False)
         if not ids:
             raise InputError("the chat template rendered these messages as no tokens; fix the "

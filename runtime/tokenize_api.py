@@ -3,7 +3,8 @@ tokenizer backend and other clients of OpenAI-compatible servers call):
 
 - `GET /tokenizer_info`: the special tokens, the chat template and the context;
 - `POST /tokenize`: `{"prompt": str, "add_special_tokens": bool = true}` or `{"messages": [...],
-  "add_generation_prompt": bool = true}` -> `{"tokens", "count", "max_model_len"}`;
+  "add_generation_prompt": bool = true, "chat_template_kwargs": {...}}` -> `{"tokens", "count",
+  "max_model_len"}`;
 - `POST /detokenize`: `{"tokens": [ids]}` -> `{"prompt": str}`.
 
 Pure functions over a loaded `Pair` and a parsed body; the server runs them off its event loop.
@@ -15,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import InputError
+from .chat_template import template_variables
+from .errors import FieldError, InputError
 from .openai_api import APIError, messages_field
 from .pair import Pair
 
@@ -41,8 +43,11 @@ def tokenizer_info(pair: Pair, context: int) -> dict[str, Any]:
             "vocab_size": manifest.vocab_size, "eos_token_ids": list(manifest.eos_token_ids)}
 
 
-def tokenize(pair: Pair, body: Any, context: int) -> dict[str, Any]:
-    """The token ids of `body`'s prompt text or chat messages (rendered by the pair's template).
+def tokenize(pair: Pair, body: Any, context: int,
+             variables: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The token ids of `body`'s prompt text or chat messages (rendered by the pair's template,
+    with the server's template `variables` and the body's `chat_template_kwargs` over them, as
+    the chat route renders them).
 
     Raises:
         APIError: 400 for a body that has neither (or both), or that the template refuses.
@@ -63,7 +68,11 @@ def tokenize(pair: Pair, body: Any, context: int) -> dict[str, Any]:
         else:
             ids = pair.tokenizer.encode_chat(
                 messages_field(body.get("messages")),
-                add_generation_prompt=_flag(body, "add_generation_prompt", True))
+                add_generation_prompt=_flag(body, "add_generation_prompt", True),
+                variables={**(variables or {}),
+                           **template_variables(body.get("chat_template_kwargs"))})
+    except FieldError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
     except InputError as exc:
         raise APIError(400, str(exc), param="messages" if has_messages else "prompt") from None
     return {"tokens": ids, "count": len(ids), "max_model_len": context}

@@ -25,6 +25,7 @@ from typing import Any
 
 from .errors import FieldError
 from .grammar import Grammar
+from .held_text import Trimmed, partial_suffix
 
 __all__ = ["HERMES", "LLAMA3_JSON", "TOOL_FORMATS", "Tool", "ToolCall", "ToolFormat",
            "ToolInputError", "ToolOutput", "ToolSet", "ToolStream"]
@@ -295,8 +296,7 @@ class ToolStream:
     def __init__(self, fmt: ToolFormat) -> None:
         self.fmt = fmt
         self._buffer = ""  # text not decided yet
-        self._started = False  # some content was given out
-        self._held = ""  # whitespace after the content given out (sent once text follows)
+        self._content = Trimmed()  # the text outside calls
         self._bare: bool | None = None  # a bare format: the reply is calls (True) or text
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -309,7 +309,7 @@ class ToolStream:
         while True:
             start = self._buffer.find(opening)
             if start < 0:
-                keep = _partial_suffix(self._buffer, opening)
+                keep = partial_suffix(self._buffer, opening)
                 content += self._give(self._buffer[:len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return content, calls
@@ -351,24 +351,5 @@ class ToolStream:
         return self._give(text), []
 
     def _give(self, text: str) -> str:
-        """`text` as content to send: whitespace before the first content is dropped, and
-        whitespace after the last is held until more content follows."""
-        if not self._started:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self._started = True
-        body = text.rstrip()
-        if not body:
-            self._held += text
-            return ""
-        out, self._held = self._held + body, text[len(body):]
-        return out
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+        """`text` as content to send (stripped at the reply's ends: `Trimmed`)."""
+        return self._content.give(text)

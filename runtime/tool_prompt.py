@@ -99,15 +99,24 @@ class ToolPlan:
                 out.insert(0, {"role": "system", "content": system})
         return out, None
 
-    def prompt_ids(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]
-                   ) -> list[int]:
+    def prompt_text(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                    variables: Mapping[str, Any] | None = None) -> str:
+        """The prompt as the chat template renders it (`variables`: more template variables).
+
+        Raises:
+            InputError: the chat template refuses the messages, tools or variables.
+        """
+        rendered, tools = self.messages(messages)
+        return tokenizer.render_chat(rendered, tools=tools, variables=variables)
+
+    def prompt_ids(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                   variables: Mapping[str, Any] | None = None) -> list[int]:
         """The prompt's token ids.
 
         Raises:
-            InputError: the chat template refuses the messages or tools.
+            InputError: the chat template refuses the messages, tools or variables.
         """
-        rendered, tools = self.messages(messages)
-        return tokenizer.encode_chat(rendered, tools=tools)
+        return tokenizer.encode_rendered(self.prompt_text(tokenizer, messages, variables))
 
 
 def _calls(message: Mapping[str, Any]) -> list[tuple[ToolCall, Mapping[str, Any]]]:

@@ -7,12 +7,13 @@ Needs the `[serve]` extra (starlette, uvicorn). Registered on the CLI group by `
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -52,6 +53,21 @@ def _check_listen(host: str, port: int) -> None:
         except OSError as exc:
             raise InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose "
                              "another --port or --host") from None
+
+
+def _template_kwargs(text: str | None) -> dict[str, Any]:
+    """--chat-template-kwargs as an object (checked by `ServerOptions`)."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise InputError("--chat-template-kwargs: not JSON; give an object, e.g. "
+                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise InputError("--chat-template-kwargs: give a JSON object, e.g. "
+                         "'{\"enable_thinking\": false}'")
+    return value
 
 
 def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
@@ -110,6 +126,15 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
 @click.option("--prefix-cache", default=1, show_default=True, type=click.IntRange(0, 64),
               help=PREFIX_CACHE_HELP + " A continuously batched (concat-form) server keeps "
                    "them in its free slots instead (any N > 0).")
+@click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
+              help="Chat template variables for every chat request, e.g. "
+                   "'{\"enable_thinking\": false}' (a request's chat_template_kwargs override "
+                   "them).")
+@click.option("--reasoning-format", default="auto", show_default=True,
+              type=click.Choice(["auto", "none"]),
+              help="auto: a reasoning model's thinking (<think>...</think>, found in its chat "
+                   "template) is returned apart as reasoning_content; none: left in the "
+                   "content.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
@@ -119,7 +144,8 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
           warmup_tokens: int, drafter: str | None,
           num_draft_tokens: int | None, no_speculation: bool, adaptive: bool | None,
           providers: str, threads: str | None, no_verify: bool, head: str,
-          prefix_cache: int, log_level: str) -> None:
+          prefix_cache: int, template_kwargs: str | None, reasoning_format: str,
+          log_level: str) -> None:
     """Serve PAIR with an OpenAI-compatible API (chat, completions, streaming).
 
     Concat-form pairs decode requests in one continuously batched speculative loop; gqa-shared
@@ -153,7 +179,9 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
                                 request_timeout_s=request_timeout,
                                 drafter="none" if no_speculation else drafter,
                                 num_draft_tokens=num_draft_tokens, adaptive=adaptive,
-                                warmup_tokens=warmup_tokens)
+                                warmup_tokens=warmup_tokens,
+                                template_variables=_template_kwargs(template_kwargs),
+                                reasoning_format=reasoning_format)
         loaded = LoadOptions(providers=providers, threads=threads, no_verify=no_verify,
                              head=head, prefix_cache=prefix_cache).load(pair)
         app = create_app(loaded, options)

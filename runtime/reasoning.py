@@ -1,0 +1,119 @@
+"""A reasoning model's reply split into its thinking and its answer.
+
+Reasoning models (Qwen3, SmolLM3, the DeepSeek-R1 distills) write their thinking between
+`<think>` and `</think>` before the answer. The server returns it apart, as DeepSeek's API,
+vLLM's reasoning parsers and llama.cpp's server do: `message.reasoning_content` beside
+`message.content` (streamed as `delta.reasoning_content`), and tool calls are read from the
+answer only. A pair is a reasoning model when its chat template writes both tags (data, as
+`ToolFormat` markers are); a template whose generation prompt already opens the block (R1
+distills; Qwen3 with `enable_thinking: false` closes it empty instead) starts the reply inside
+it, which `opened_by` tells from the rendered prompt's end.
+
+A reply that starts with the open tag (after whitespace), or inside a block the prompt opened,
+is reasoning up to the close tag (all of it when the reply ends first: cut by `max_tokens`),
+the rest is the answer; any other reply is all answer. `ReasoningStream` gives, delta by delta,
+what `split` gives on the whole text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .held_text import Trimmed, partial_suffix
+
+__all__ = ["THINK", "ReasoningFormat", "ReasoningStream", "Split"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """A reply's thinking and its answer (None when empty)."""
+
+    reasoning: str | None
+    content: str | None
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """The tags around a model's thinking."""
+
+    open_tag: str = "<think>"
+    close_tag: str = "</think>"
+
+    @classmethod
+    def for_template(cls, source: str | None) -> ReasoningFormat | None:
+        """The format a chat template's model writes (None: the template writes no
+        thinking block, the model is not a reasoning model)."""
+        if source and THINK.open_tag in source and THINK.close_tag in source:
+            return THINK
+        return None
+
+    def opened_by(self, prompt: str) -> bool:
+        """Whether the rendered `prompt` ends inside a thinking block (its generation prompt
+        opened one), so that the reply starts as reasoning."""
+        return prompt.rfind(self.open_tag) > prompt.rfind(self.close_tag)
+
+    def split(self, text: str, inside: bool = False) -> Split:
+        """The reasoning and answer of a whole reply (`inside`: the prompt opened the block)."""
+        stream = ReasoningStream(self, inside)
+        parts = [stream.feed(text), stream.finish()]
+        reasoning = "".join(p.reasoning or "" for p in parts)
+        content = "".join(p.content or "" for p in parts)
+        return Split(reasoning or None, content or None)
+
+
+class ReasoningStream:
+    """Splits a reply as its text arrives (`feed` each delta, then `finish`): text that may
+    be a tag is held back, and so is whitespace at the ends of the reasoning and at the start
+    of the answer, so the pieces add up to `ReasoningFormat.split` of the whole reply."""
+
+    def __init__(self, fmt: ReasoningFormat, inside: bool = False) -> None:
+        self.fmt = fmt
+        self._state = "thinking" if inside else "start"  # start | thinking | answer
+        self.reasoned = inside  # the reply has a reasoning part
+        self._buffer = ""  # text not decided yet
+        self._reasoning = Trimmed()
+        self._answered = False  # some answer was given out
+
+    def feed(self, text: str) -> Split:
+        """The reasoning and answer text `text` lets out now."""
+        self._buffer += text
+        reasoning = ""
+        if self._state == "start":
+            head = self._buffer.lstrip()
+            if not head or (len(head) < len(self.fmt.open_tag)
+                            and self.fmt.open_tag.startswith(head)):
+                return Split(None, None)  # may still open a block
+            self._state = "answer"
+            if head.startswith(self.fmt.open_tag):
+                self._state, self.reasoned = "thinking", True
+                self._buffer = head[len(self.fmt.open_tag):]
+        if self._state == "thinking":
+            end = self._buffer.find(self.fmt.close_tag)
+            if end < 0:
+                keep = partial_suffix(self._buffer, self.fmt.close_tag)
+                reasoning = self._reasoning.give(self._buffer[:len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return Split(reasoning or None, None)
+            reasoning = self._reasoning.give(self._buffer[:end])
+            self._buffer = self._buffer[end + len(self.fmt.close_tag):]
+            self._state = "answer"
+        content, self._buffer = self._answer_text(self._buffer), ""
+        return Split(reasoning or None, content or None)
+
+    def finish(self) -> Split:
+        """What is left at the end of the reply."""
+        rest, self._buffer = self._buffer, ""
+        if self._state == "thinking":  # cut inside the block: all of it was reasoning
+            return Split(self._reasoning.give(rest) or None, None)
+        return Split(None, self._answer_text(rest) or None)
+
+    def _answer_text(self, text: str) -> str:
+        """The answer without the whitespace before it (its end is the model's)."""
+        if not self._answered:
+            text = text.lstrip()
+            self._answered = bool(text)
+        return text
+
+
+THINK = ReasoningFormat()
+

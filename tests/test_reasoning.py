@@ -1,0 +1,252 @@
+"""Reasoning models: the thinking split off the answer (`runtime/reasoning`, whole and streamed,
+with tool calls read from the answer only), and chat template variables (`chat_template_kwargs`,
+e.g. Qwen3's `enable_thinking`), through the real server and the `openai` client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specedge.runtime.chat_template import template_variables
+from specedge.runtime.errors import FieldError, InputError
+from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.reasoning import THINK, ReasoningFormat, ReasoningStream
+from specedge.runtime.reply_reader import ReplyReader
+from specedge.runtime.server import ServerOptions, create_app
+from specedge.runtime.tool_calls import HERMES
+
+from .test_hardening import pair_copy, rehash
+from .test_serve import running
+
+__all__ = ["pair_copy"]  # a fixture, imported for the tests below
+
+# A Qwen3-style template (written for this test): thinking in <think> tags, `enable_thinking:
+# false` closes the block empty in the generation prompt, and `open_thinking` (as the R1
+# distills' templates do) leaves it open, so the reply starts inside it.
+THINKING_TEMPLATE = """\
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}
+{{- message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% elif open_thinking is defined and open_thinking %}<think>
+{% endif %}{% endif %}"""
+
+
+def oracle(text: str, inside: bool) -> tuple[str | None, str | None]:
+    """The split the module docstring specifies, written directly."""
+    body = text.lstrip()
+    if not inside and not body.startswith("<think>"):
+        return None, body or None
+    if not inside:
+        text = body[len("<think>"):]
+    end = text.find("</think>")
+    if end < 0:
+        return text.strip() or None, None
+    return text[:end].strip() or None, text[end + len("</think>"):].lstrip() or None
+
+
+def test_the_thinking_is_split_off_the_answer() -> None:
+    cases = [("<think>\nplan it\n</think>\n\nThe answer.", False, ("plan it", "The answer.")),
+             ("plan it</think>\n\nThe answer.", True, ("plan it", "The answer.")),
+             ("The answer.", False, (None, "The answer.")),
+             ("  <think>cut off by max_tokens", False, ("cut off by max_tokens", None)),
+             ("<think>\n\n</think>\n\nNo thinking.", False, (None, "No thinking.")),
+             ("Not <think>at the start</think>", False,
+              (None, "Not <think>at the start</think>"))]
+    for text, inside, want in cases:
+        split = THINK.split(text, inside)
+        assert (split.reasoning, split.content) == want == oracle(text, inside), text
+    assert THINK.opened_by("<|im_start|>assistant\n<think>\n")
+    assert not THINK.opened_by("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not THINK.opened_by("<|im_start|>assistant\n")
+    assert ReasoningFormat.for_template(THINKING_TEMPLATE) is THINK
+    assert ReasoningFormat.for_template("{{ messages[0].content }}") is None
+
+
+_PIECES = st.lists(st.sampled_from([
+    "<think>", "</think>", "<th", "ink>", "</", "think>", " ", "\n", "\n\n", "plan", "answer",
+    "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": 1}}', "<tool_call>\n",
+    "\n</tool_call>"]), max_size=10)
+
+
+@settings(max_examples=400)
+@given(pieces=_PIECES, data=st.data(), inside=st.booleans(), tools=st.booleans())
+def test_a_streamed_reply_gives_what_the_whole_reply_gives(pieces: list[str], data: Any,
+                                                           inside: bool, tools: bool) -> None:
+    """Any cut of a reply into deltas: the reasoning, answer and calls given out add up to the
+    split of the whole text (the oracle), with the calls read from the answer only."""
+    text = "".join(pieces)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    bounds = sorted({0, len(text), *cuts})
+    reader = ReplyReader(HERMES if tools else None, THINK, inside)
+    parts = [reader.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    parts.append(reader.finish())
+    reasoning = "".join(p.reasoning for p in parts)
+    content = "".join(p.content for p in parts)
+    calls = [c for p in parts for c in p.calls]
+    want_reasoning, want_content = oracle(text, inside)
+    assert (reasoning or None) == want_reasoning
+    if tools:
+        found = HERMES.parse(want_content or "")
+        assert ((content or None), tuple(calls)) == (found.content, found.calls)
+    else:
+        assert (content or None, calls) == (want_content, [])
+    stream = ReasoningStream(THINK, inside)
+    assert stream.reasoned == inside
+
+
+def test_template_variables_are_checked() -> None:
+    assert template_variables(None) == {}
+    assert template_variables({"enable_thinking": False}) == {"enable_thinking": False}
+    for value, param in [([1], "chat_template_kwargs"), ({"a b": 1}, "chat_template_kwargs"),
+                         ({"messages": []}, "chat_template_kwargs.messages"),
+                         ({"tools": []}, "chat_template_kwargs.tools"),
+                         ({f"v{i}": i for i in range(40)}, "chat_template_kwargs")]:
+        with pytest.raises(FieldError) as info:
+            template_variables(value)
+        assert info.value.param == param and "\n" not in str(info.value)
+
+
+@pytest.fixture
+def thinking(pair_copy: Path) -> Pair:
+    (pair_copy / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    rehash(pair_copy, "chat_template.jinja")
+    return Pair.load(pair_copy)
+
+
+ASK = [{"role": "user", "content": "Why is the sky blue?"}]
+# The tiny random model writes what these grammars allow: a thinking block and an answer.
+THOUGHT = r"<think>[a-z ]{3,12}</think>[a-z ]{3,12}"
+OPENED = r"[a-z ]{3,12}</think>[a-z ]{3,12}"
+CALL = (r'<think>[a-z]{2,6}</think><tool_call>\n\{"name": "time", "arguments": '
+        r'\{\}\}\n</tool_call>')
+CLOCK = {"type": "function", "function": {"name": "time", "parameters": {"type": "object"}}}
+
+
+def _solo(pair: Pair, messages: list[dict[str, Any]], regex: str,
+          variables: dict[str, Any] | None = None, tools: list[Any] | None = None) -> str:
+    """Target-only decoding of what the server is sent (the rest of the 512-token context)."""
+    from specedge.runtime.grammar import Grammar
+    from specedge.runtime.tool_calls import ToolSet
+    from specedge.runtime.tool_prompt import ToolPlan
+
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(tools) if tools else None)
+    ids = plan.prompt_ids(pair.tokenizer, messages, variables)
+    return pair.generate(ids, GenerationConfig(max_new_tokens=512 - len(ids), drafter="none",
+                                               grammar=Grammar("regex", regex))).text
+
+
+def test_reasoning_through_the_openai_client(thinking: Pair) -> None:
+    """Whole and streamed: `reasoning_content` and `content` are the split of the reply that
+    target-only decoding gives; `enable_thinking: false` and a prompt that opens the block
+    change the prompt as the template says; tool calls are read from the answer."""
+    import openai
+
+    pair = thinking
+    model = pair.manifest.root.name
+    with running(create_app(pair, ServerOptions(max_tokens_limit=512))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        for variables, regex, inside in [(None, THOUGHT, False),
+                                         ({"open_thinking": True}, OPENED, True)]:
+            text = _solo(pair, ASK, regex, variables)
+            want = THINK.split(text, inside)
+            assert want.reasoning and want.content  # the grammar made both
+            extra: dict[str, Any] = {"structured_outputs": {"regex": regex}}
+            if variables:
+                extra["chat_template_kwargs"] = variables
+            reply = client.chat.completions.create(model=model, messages=ASK, temperature=0,
+                                                   extra_body=extra)
+            message = reply.choices[0].message
+            assert (message.content, message.model_extra["reasoning_content"]) == \
+                (want.content, want.reasoning)
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(
+                pair.tokenizer.encode_chat(ASK, variables=variables))
+            chunks = list(client.chat.completions.create(
+                model=model, messages=ASK, temperature=0, stream=True, extra_body=extra))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            assert "".join(d.content or "" for d in deltas) == want.content
+            assert "".join((d.model_extra or {}).get("reasoning_content") or ""
+                           for d in deltas) == want.reasoning
+        closed = client.chat.completions.create(
+            model=model, messages=ASK, temperature=0, max_tokens=4,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert closed.usage is not None and closed.usage.prompt_tokens == len(
+            pair.tokenizer.encode_chat(ASK, variables={"enable_thinking": False}))
+        assert closed.usage.prompt_tokens > len(pair.tokenizer.encode_chat(ASK))
+        counted = httpx.post(url + "/tokenize", timeout=30, json={
+            "messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}).json()
+        assert counted["count"] == closed.usage.prompt_tokens
+        text = _solo(pair, ASK, CALL, tools=[CLOCK])
+        called = client.chat.completions.create(
+            model=model, messages=ASK, temperature=0, tools=[CLOCK],  # type: ignore[list-item]
+            extra_body={"structured_outputs": {"regex": CALL}})
+        choice = called.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [c.function.name for c in choice.message.tool_calls or []] == ["time"]
+        assert choice.message.model_extra["reasoning_content"] == THINK.split(text).reasoning
+        # The reply's reasoning goes back in the conversation, as clients send it.
+        history = [*ASK, {"role": "assistant", "content": "blue light",
+                          "reasoning_content": "scattering"},
+                   {"role": "user", "content": "More?"}]
+        again = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": model, "messages": history, "max_tokens": 2}).json()
+        assert again["usage"]["prompt_tokens"] == len(pair.tokenizer.encode_chat(history))
+        assert "scattering" in pair.tokenizer.render_chat(history)
+
+
+def test_reasoning_format_none_leaves_the_thinking_in_the_content(thinking: Pair) -> None:
+    text = _solo(thinking, ASK, THOUGHT)
+    options = ServerOptions(reasoning_format="none",
+                            template_variables={"enable_thinking": True})
+    with running(create_app(thinking, options)) as url:
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": thinking.manifest.root.name, "messages": ASK, "temperature": 0,
+            "structured_outputs": {"regex": THOUGHT}}).json()
+    message = reply["choices"][0]["message"]
+    assert message["content"] == text and "reasoning_content" not in message
+
+
+def test_template_variable_errors_are_400s(thinking: Pair) -> None:
+    model = thinking.manifest.root.name
+    with running(create_app(thinking, ServerOptions())) as url:
+        for route, body, param in [
+                ("chat", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+                ("chat", {"chat_template_kwargs": {"messages": []}},
+                 "chat_template_kwargs.messages"),
+                ("completions", {"prompt": "Hi", "chat_template_kwargs": {}},
+                 "chat_template_kwargs")]:
+            payload = {"model": model, "max_tokens": 2, **(
+                {"messages": ASK} if route == "chat" else {}), **body}
+            response = httpx.post(f"{url}/v1/{route.replace('chat', 'chat/completions')}",
+                                  json=payload, timeout=30)
+            assert response.status_code == 400, (body, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and "\n" not in error["message"]
+    with pytest.raises(InputError, match="--chat-template-kwargs.tools"):
+        ServerOptions(template_variables={"tools": []})
+    with pytest.raises(InputError, match="reasoning_format"):
+        ServerOptions(reasoning_format="deepseek")
+
+
+def test_a_plain_model_is_not_read_for_reasoning(tiny_pair: Pair) -> None:
+    """The fixtures' template writes no thinking block: replies are returned as they are."""
+    with running(create_app(tiny_pair, ServerOptions())) as url:
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": tiny_pair.manifest.root.name, "messages": ASK, "max_tokens": 8,
+            "temperature": 0}).json()
+    message = reply["choices"][0]["message"]
+    want = tiny_pair.generate(ASK, GenerationConfig(max_new_tokens=8, drafter="none")).text
+    assert message["content"] == want and "reasoning_content" not in message
+    assert json.dumps(reply)  # plain JSON
+
