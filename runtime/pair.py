@@ -87,6 +87,9 @@ class Pair:
         # A self-draft takes the prompt's keys and values from the target's prefill instead
         # of prefilling it again (`drafters.self_draft`; set False to prefill it).
         self.shares_prompt_kv = draft is not None and self_draft(target.spec, draft.spec)
+        # Chat template variables for every chat this pair renders (e.g. Qwen3's
+        # `enable_thinking`; `chat_template.template_variables`).
+        self.template_variables: dict[str, Any] = {}
         # Why a listed TensorRT engine was not used, per model (empty when none was skipped).
         self.engine_notes: dict[str, str] = {}
         # What loading did about huge pages for the weights (see `hugepages`).
@@ -196,10 +199,12 @@ class Pair:
             if not prompt:
                 raise InputError("the prompt is empty; pass some text")
             if chat:
-                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}],
+                                                  variables=self.template_variables)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
-            ids = self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]  # messages here
+            ids = self.tokenizer.encode_chat(prompt,  # type: ignore[arg-type]  # messages here
+                                             variables=self.template_variables)
         if not ids:
             raise InputError("the prompt encodes to no tokens; pass some text")
         return ids
@@ -218,7 +223,8 @@ class Pair:
         messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
                     else list(prompt))
         ids = self.tokenizer.encode_chat([*messages, {"role": "assistant", "content": reply}],
-                                         add_generation_prompt=False)
+                                         add_generation_prompt=False,
+                                         variables=self.template_variables)
         if not ids:
             raise InputError("the conversation encodes to no tokens")
         return ids

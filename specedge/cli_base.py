@@ -11,6 +11,7 @@ without a word, like other Unix tools.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -272,6 +273,7 @@ class LoadOptions:
     row_steps: str = "auto"
     head: str = "split"
     prefix_cache: int = 0  # `chat` and `serve`: finished generations whose caches are kept
+    chat_template_kwargs: str | None = None  # JSON: the chat template's extra variables
 
     def load(self, pair: Path) -> Pair:
         """Load `pair` with these providers and threads.
@@ -302,11 +304,42 @@ class LoadOptions:
                     f"({THREADS_PER_CORE} x the {physical_cores()} cores this process may use; "
                     "0 picks for you)")
             plan = plan_threads(target_p, draft_p, nums[0], nums[-1])
-        return Pair.load(pair, providers=(target_p, draft_p), plan=plan,
-                         verify_hashes=not self.no_verify, cuda_graph=self.cuda_graph,
-                         device_argmax={"auto": None, "device": True, "host": False}[self.argmax],
-                         two_row_steps={"auto": None, "two": True, "one": False}[self.row_steps],
-                         split_head=self.head == "split", prefix_cache=self.prefix_cache)
+        variables = template_kwargs_option(self.chat_template_kwargs)  # before the load
+        loaded = Pair.load(pair, providers=(target_p, draft_p), plan=plan,
+                           verify_hashes=not self.no_verify, cuda_graph=self.cuda_graph,
+                           device_argmax={"auto": None, "device": True,
+                                          "host": False}[self.argmax],
+                           two_row_steps={"auto": None, "two": True, "one": False}[self.row_steps],
+                           split_head=self.head == "split", prefix_cache=self.prefix_cache)
+        loaded.template_variables = variables
+        return loaded
+
+
+CHAT_TEMPLATE_KWARGS_HELP = ("Chat template variables as a JSON object, e.g. "
+                             "'{\"enable_thinking\": false}' (Qwen3 and SmolLM3 then answer "
+                             "without thinking).")
+
+
+def template_kwargs_option(text: str | None) -> dict[str, Any]:
+    """--chat-template-kwargs as checked template variables ({} when not given).
+
+    Raises:
+        InputError: not a JSON object of template variables.
+    """
+    from specedge.runtime.chat_template import template_variables
+    from specedge.runtime.errors import FieldError
+
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise InputError("--chat-template-kwargs: not JSON; give an object, e.g. "
+                         "'{\"enable_thinking\": false}'") from None
+    try:
+        return template_variables(value, "--chat-template-kwargs")
+    except FieldError as exc:
+        raise InputError(f"{exc.param}: {exc}") from None
 
 
 PREFIX_CACHE_HELP = ("Keep the KV caches of this many finished generations, so that a prompt "
@@ -337,6 +370,8 @@ load_options = collect_options("load", LoadOptions, [
                  help="split: on the CPU, greedy argmaxes from the int8 shortlist where the "
                       "exporter split the output head off (faster; the same tokens; more "
                       "memory); whole: run the whole graph (less memory)."),
+    click.option("--chat-template-kwargs", default=None, metavar="JSON",
+                 help=CHAT_TEMPLATE_KWARGS_HELP),
 ])
 
 

@@ -7,17 +7,21 @@ Needs the `[serve]` extra (starlette, uvicorn). Registered on the CLI group by `
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import os
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
-from specedge.cli_base import PREFIX_CACHE_HELP, one_line
+from specedge.cli_base import (
+    CHAT_TEMPLATE_KWARGS_HELP,
+    PREFIX_CACHE_HELP,
+    one_line,
+    template_kwargs_option,
+)
 from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.policy import DRAFTER_CHOICES
 
@@ -53,21 +57,6 @@ def _check_listen(host: str, port: int) -> None:
         except OSError as exc:
             raise InputError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose "
                              "another --port or --host") from None
-
-
-def _template_kwargs(text: str | None) -> dict[str, Any]:
-    """--chat-template-kwargs as an object (checked by `ServerOptions`)."""
-    if text is None:
-        return {}
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        raise InputError("--chat-template-kwargs: not JSON; give an object, e.g. "
-                         "'{\"enable_thinking\": false}'") from None
-    if not isinstance(value, dict):
-        raise InputError("--chat-template-kwargs: give a JSON object, e.g. "
-                         "'{\"enable_thinking\": false}'")
-    return value
 
 
 def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
@@ -127,9 +116,8 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
               help=PREFIX_CACHE_HELP + " A continuously batched (concat-form) server keeps "
                    "them in its free slots instead (any N > 0).")
 @click.option("--chat-template-kwargs", "template_kwargs", default=None, metavar="JSON",
-              help="Chat template variables for every chat request, e.g. "
-                   "'{\"enable_thinking\": false}' (a request's chat_template_kwargs override "
-                   "them).")
+              help=CHAT_TEMPLATE_KWARGS_HELP + " A request's chat_template_kwargs override "
+                   "them.")
 @click.option("--reasoning-format", default="auto", show_default=True,
               type=click.Choice(["auto", "none"]),
               help="auto: a reasoning model's thinking (<think>...</think>, found in its chat "
@@ -180,7 +168,7 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
                                 drafter="none" if no_speculation else drafter,
                                 num_draft_tokens=num_draft_tokens, adaptive=adaptive,
                                 warmup_tokens=warmup_tokens,
-                                template_variables=_template_kwargs(template_kwargs),
+                                template_variables=template_kwargs_option(template_kwargs),
                                 reasoning_format=reasoning_format)
         loaded = LoadOptions(providers=providers, threads=threads, no_verify=no_verify,
                              head=head, prefix_cache=prefix_cache).load(pair)

@@ -250,3 +250,25 @@ def test_a_plain_model_is_not_read_for_reasoning(tiny_pair: Pair) -> None:
     assert message["content"] == want and "reasoning_content" not in message
     assert json.dumps(reply)  # plain JSON
 
+
+
+def test_template_variables_from_the_command_line(thinking: Pair) -> None:
+    """`generate --chat --chat-template-kwargs JSON` renders the prompt with them (and so
+    does `Pair.template_variables` in Python); bad ones are one-line errors."""
+    from click.testing import CliRunner
+
+    from .test_cli import assert_clean_error, generate_json, invoke
+
+    runner = CliRunner()
+    root = thinking.manifest.root
+    off = {"enable_thinking": False}
+    out = generate_json(runner, root, "Hi", "--chat", "--max-new-tokens", "3",
+                        "--chat-template-kwargs", json.dumps(off))
+    ids = thinking.tokenizer.encode_chat([{"role": "user", "content": "Hi"}], variables=off)
+    assert out["stats"]["prompt_tokens"] == len(ids)
+    thinking.template_variables = off
+    assert thinking.encode_prompt("Hi", chat=True) == ids
+    for value, message in (("{", "not JSON"), ("[1]", "--chat-template-kwargs"),
+                           ('{"messages": 1}', "--chat-template-kwargs.messages")):
+        assert_clean_error(invoke(runner, "generate", root, "Hi", "--chat",
+                                  "--chat-template-kwargs", value), message)
