@@ -54,6 +54,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -196,15 +197,18 @@ class LlamaCppWorker:
 def cli_speculative(prompt_text: str, target: Path, n_predict: int, *, threads: int,
                     spec_type: str = "draft-simple", draft: Path | None = None, k: int = 4,
                     binary: Path = BIN_DIR / "llama-speculative-simple",
-                    timeout: float = 600) -> dict[str, Any]:
+                    timeout: float = 600, extra: Sequence[str] = (),
+                    env: dict[str, str] | None = None) -> dict[str, Any]:
     """One run of llama.cpp's own speculative loop (``common/speculative``, as in llama-server).
 
     ``llama-speculative-simple`` (built by ``setup_llama_cpp.sh --tools``) takes TEXT: pass the
     chat-rendered prompt with its special tokens as text (llama.cpp tokenizes it with
     ``parse_special``; SmolLM2's GGUF adds no BOS). ``spec_type``: ``draft-simple`` (with
     ``draft``), ``ngram-simple``, ``ngram-map-k``, ``ngram-mod``, ``ngram-cache``...; greedy
-    (``--temp 0``). Returns what the program prints: prompt tokens and seconds ("encoded", the
-    prompt minus its last token), new tokens and seconds ("decoded"), drafted and accepted counts.
+    (``--temp 0``). ``extra``: more arguments (e.g. ``--no-mmap``); ``env``: more environment
+    variables (e.g. glibc's hugetlb tunable). Returns what the program prints: prompt tokens
+    and seconds ("encoded", the prompt minus its last token), new tokens and seconds
+    ("decoded"), drafted and accepted counts.
     """
     import re
 
@@ -220,9 +224,10 @@ def cli_speculative(prompt_text: str, target: Path, n_predict: int, *, threads: 
         cmd += ["--spec-ngram-mod-n-max", str(k)]
     if draft is not None:
         cmd += ["-md", str(draft), "-td", str(threads)]
+    cmd += list(extra)
     libs = f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"
-    env = {**os.environ, "LD_LIBRARY_PATH": libs}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {}), "LD_LIBRARY_PATH": libs})
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise RuntimeError(f"{binary.name} rc {proc.returncode}: {log[-2000:]}")
