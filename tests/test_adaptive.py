@@ -378,3 +378,31 @@ def test_a_probe_that_would_prefill_every_row_waits_for_its_share() -> None:
 
     assert not tuner_at_plain(0.5 / 8).probing  # costs 17 plain rounds: not yet
     assert tuner_at_plain(0.001).probing  # a GPU-like prefill: the probe runs
+
+
+def test_a_slow_first_round_does_not_keep_drafting_off() -> None:
+    """Regression (docs/results/llama_cpp_native.md, runs 2 and 4): the first round ran 2-5x
+    slow (another program had just run), so its draft step and verify(3) read dear; plain
+    rounds then read true, and the tuner kept k = 0 through every later text (one probe round
+    a text, which moved the estimates 5%). Texts after the first now draft again."""
+    for spike in (2.0, 5.0):
+        rng = random.Random(1)
+        tuner = AdaptiveK(8)
+        drafting = []
+        for text in range(4):
+            if text:
+                tuner.new_text()
+            lag, rounds = 0, 0
+            for r in range(100):
+                k = tuner.k
+                accepted = 0
+                while accepted < k and rng.random() < 0.9:
+                    accepted += 1
+                slow = spike if text == r == 0 else 1.0
+                tuner.update(k, accepted, 0.43 * k * slow * rng.uniform(0.9, 1.1), k,
+                             verify_cost(k + 1) * slow * rng.uniform(0.9, 1.1),
+                             catch_up=lag if k == 0 else 0)
+                lag = lag + accepted + 1 if k == 0 else 0
+                rounds += k > 0
+            drafting.append(rounds)
+        assert min(drafting[1:]) >= 95, (spike, drafting)

@@ -53,3 +53,25 @@ def test_nothing_measured_is_none_and_a_fixed_cost_is_fixed() -> None:
     free = CostTable(fixed=0.0)
     free.record(3, 1.0)
     assert free.cost(3) == 0.0 and free.measured(7)
+
+
+def test_a_slow_reading_is_undone_by_the_next_true_one() -> None:
+    """Timing noise only adds time: a reading below the estimate replaces it, a higher one
+    moves it by 5%, so a first call slowed by another program does not price the size for
+    good (it did: 5% a reading, from probes that came every 16 to 256 rounds)."""
+    table = CostTable()
+    table.record(1, 2.0)  # slowed 2x
+    table.record(1, 1.0)
+    assert table.cost(1) == pytest.approx(1.0)
+    table.record(1, 1.4)  # a real rise is followed, slowly
+    assert table.cost(1) == pytest.approx(1.02)
+
+
+def test_a_size_not_measured_lately_counts_less() -> None:
+    """A size read once, slowly, long ago does not bend the line through sizes read since."""
+    table = CostTable()
+    table.record(3, 3.0)  # verify(3) of a slowed first round
+    for _ in range(60):
+        table.record(1, 1.0)  # plain decoding since
+    table.record(2, 1.05)  # a probe
+    assert table.cost(3) < 1.5  # mostly the line through 1 and 2 (before: 2.9)
