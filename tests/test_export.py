@@ -91,7 +91,8 @@ def test_not_a_causal_lm(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "bert",
                                                     "architectures": ["BertModel"]}))
-    with pytest.raises(SpecEdgeError, match=r"not supported; supported model types: ernie4_5, gemma.*, smollm3"):
+    with pytest.raises(SpecEdgeError,
+                       match=r"not supported; supported model types: ernie4_5, gemma.*, smollm3"):
         _export(folder, tmp_path / "out")
     _no_leftovers(tmp_path / "out")
 
