@@ -25,7 +25,7 @@ from .openai_api import APIError, ParsedRequest, error_body, parse_request
 from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_json
 from .openai_responses import SSE_DONE, ResponseShape, finish_reason, sse, tool_calls_json
 from .pair import GenerationConfig, GenerationResult
-from .reasoning import ReasoningFormat
+from .reasoning import ReasoningFormat, Thinking
 from .reply_reader import ReplyPart, ReplyReader
 from .server_http import Bridge, GenerationStream, read_json
 from .tool_calls import ToolFormat
@@ -132,10 +132,13 @@ def _chat_prompt(state: ServerState, parsed: ParsedRequest) -> _Fitted:
         raise APIError(400, "give either a tool_choice that forces calls or a structured-"
                             "output field (response_format, ...), not both",
                        param="tool_choice")
-    config = replace(parsed.config, grammar=grammar or parsed.config.grammar)
+    grammar = grammar or parsed.config.grammar
     reasoning = state.reasoning
-    return _Fitted([ids], [config], plan.fmt if plan and plan.parses_calls else None,
-                   reasoning, reasoning is not None and reasoning.opened_by(text))
+    inside = reasoning is not None and reasoning.opened_by(text)
+    if grammar is not None and reasoning is not None and not state.options.constrain_thinking:
+        grammar = grammar.after(Thinking(reasoning, inside))  # the answer's grammar
+    return _Fitted([ids], [replace(parsed.config, grammar=grammar)],
+                   plan.fmt if plan and plan.parses_calls else None, reasoning, inside)
 
 
 def _fit_all(state: ServerState, parsed: ParsedRequest) -> _Fitted:

@@ -12,6 +12,10 @@ row i of a block is masked for the output plus the first i drafts, which is exac
 target-only decoding applies at that position. Disallowed logits become -inf before sampling,
 so greedy and sampled speculative output stays the target's constrained output. A draft that
 breaks the grammar is rejected by verification (its masked probability is 0).
+
+A grammar `after` a reasoning model's thinking (`runtime/reasoning.Thinking`) holds for the
+answer only: the compiler puts the thinking's Lark rules before it, as a grammar of its own that
+references this one (llguidance's nested grammars), so the matcher follows the whole reply.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .errors import InputError
+from .reasoning import Thinking
 
 __all__ = ["GRAMMAR_KINDS", "Grammar", "GrammarCompiler", "GrammarState"]
 
@@ -35,6 +40,7 @@ _ANY_OBJECT = '{"type": "object"}'
 # JSON as `json.dumps` writes it (and models most often do): no free whitespace, so a model
 # cannot pad the output, and drafts agree more often. A schema's "x-guidance" overrides it.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_ANSWER = "specedge_answer"  # the name the grammar after a thinking lead is referenced by
 
 
 def _llguidance() -> Any:
@@ -55,6 +61,8 @@ class Grammar:
             grammar, or a llama.cpp GBNF grammar, told apart by their syntax) or "choice"
             (`source`: a JSON list of strings, the output being one of them).
         source: the schema, expression or grammar text.
+        thinking: None, or the thinking the output starts with, which the grammar leaves free
+            (see `after`).
 
     Raises:
         InputError: for an unknown kind, or a source that does not compile; the message says
@@ -63,6 +71,7 @@ class Grammar:
 
     kind: str
     source: str = ""
+    thinking: Thinking | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -88,8 +97,12 @@ class Grammar:
         """The output is exactly one of `options`."""
         return cls("choice", json.dumps(list(options)))
 
+    def after(self, thinking: Thinking) -> Grammar:
+        """This grammar for the answer a reasoning model writes after its `thinking`."""
+        return replace(self, thinking=thinking)
+
     def compiled(self) -> str:
-        """llguidance's grammar definition."""
+        """llguidance's grammar definition (of the answer: see `GrammarCompiler.state`)."""
         llg = _llguidance()
         try:
             if self.kind in ("json_object", "json_schema"):
@@ -127,6 +140,7 @@ class GrammarCompiler:
         self._json, self.vocab_size = tokenizer_json, vocab_size
         self.eos = [int(t) for t in eos_token_ids]
         self._tokenizer: Any = None
+        self._added: dict[str, int] | None = None  # the tokenizer's added tokens, by text
         self._lock = threading.Lock()
 
     def state(self, grammar: Grammar) -> GrammarState:
@@ -136,11 +150,38 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 self._tokenizer = llg.LLTokenizer(self._json(), n_vocab=self.vocab_size,
                                                   eos_token=self.eos or None)
-        matcher = llg.LLMatcher(self._tokenizer, grammar.compiled(), log_level=0)
+            lead = grammar.thinking.lark(self._own_token) if grammar.thinking else None
+        source = grammar.compiled()
+        matcher = llg.LLMatcher(self._tokenizer,
+                                source if lead is None else _after_lead(source, lead),
+                                log_level=0)
         if matcher.is_error():
             raise InputError(f"the {grammar.kind} does not compile: "
                              f"{_one_line(matcher.get_error())}")
         return GrammarState(matcher, self.vocab_size, self.eos)
+
+    def _own_token(self, text: str) -> int | None:
+        """The id of `text` when the tokenizer has it as a token of its own (an added token,
+        which llguidance matches only as itself), else None."""
+        if self._added is None:
+            added = json.loads(self._json()).get("added_tokens") or []
+            self._added = {t["content"]: int(t["id"]) for t in added
+                           if isinstance(t, dict) and isinstance(t.get("content"), str)
+                           and isinstance(t.get("id"), int) and t["id"] < self.vocab_size}
+        token = self._added.get(text)
+        return token if token is not None and self._tokenizer.is_special_token(token) else None
+
+
+def _after_lead(answer: str, lead: str) -> str:
+    """llguidance's definition of a `lead` (Lark rules defining `lead`) followed by the
+    grammar `answer` (a definition as `Grammar.compiled` writes it: llguidance's JSON, or the
+    text of a Lark grammar)."""
+    if answer.lstrip().startswith("{"):
+        grammars = json.loads(answer)["grammars"]
+    else:  # llguidance gives a Lark grammar as its text
+        grammars = [{"lark_grammar": answer}]
+    start = {"lark_grammar": f"start: lead @{_ANSWER}\n{lead}"}
+    return json.dumps({"grammars": [start, dict(grammars[0], name=_ANSWER), *grammars[1:]]})
 
 
 class GrammarState:

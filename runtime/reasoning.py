@@ -17,11 +17,13 @@ what `split` gives on the whole text.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .held_text import Trimmed, partial_suffix
 
-__all__ = ["THINK", "ReasoningFormat", "ReasoningStream", "Split"]
+__all__ = ["THINK", "ReasoningFormat", "ReasoningStream", "Split", "Thinking"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,39 @@ class ReasoningFormat:
         reasoning = "".join(p.reasoning or "" for p in parts)
         content = "".join(p.content or "" for p in parts)
         return Split(reasoning or None, content or None)
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """The thinking a reply starts with, before the text a grammar constrains: a block in
+    `fmt`'s tags, required when the prompt opened it (`inside`: only its rest and the close
+    tag), optional otherwise (a reply may answer straight away)."""
+
+    fmt: ReasoningFormat
+    inside: bool = False
+
+    def lark(self, token_of: Callable[[str], int | None]) -> str:
+        """llguidance Lark rules defining `lead`: the thinking and the whitespace after it
+        (up to 8 ASCII characters: models write a blank line or two).
+
+        Args:
+            token_of: a tag's token id when the tokenizer has it as one token of its own
+                (llguidance then matches it only as that token), else None.
+        """
+        close = token_of(self.fmt.close_tag)
+        if close is None:  # a text tag: the thinking ends at its first occurrence
+            rules = f"thought[suffix={json.dumps(self.fmt.close_tag)}]: /(?s:.*)/\n"
+            body = "thought"
+        else:
+            rules = (f"THOUGHT: ANY & ~(ANY {json.dumps(self.fmt.close_tag)} ANY)\n"
+                     "ANY: /(?s:.*)/\n")
+            body = f"THOUGHT <[{close}]>"
+        if not self.inside:
+            opening = token_of(self.fmt.open_tag)
+            body = (f"<[{opening}]>" if opening is not None
+                    else json.dumps(self.fmt.open_tag)) + " " + body
+        block = f"{body} /[ \\t\\r\\n]{{0,8}}/"  # bounded: no endless run of whitespace
+        return f"lead: {block if self.inside else f'({block})?'}\n{rules}"
 
 
 class ReasoningStream:

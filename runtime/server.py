@@ -86,6 +86,9 @@ class ServerOptions:
             `{"enable_thinking": false}`); a request's `chat_template_kwargs` override them.
         reasoning_format: "auto" returns a reasoning model's thinking apart
             (`message.reasoning_content`, `runtime/reasoning`), "none" leaves it in the content.
+        constrain_thinking: structured output (`response_format`, a forced `tool_choice`)
+            constrains a reasoning model's thinking too (False: the answer after it only, as
+            with any reply read for reasoning; the grammar must then spell the thinking block).
     """
 
     host: str = "127.0.0.1"
@@ -106,6 +109,7 @@ class ServerOptions:
     prefill_budget: int = 256
     template_variables: Mapping[str, Any] = field(default_factory=dict)
     reasoning_format: str = "auto"
+    constrain_thinking: bool = False
 
     def __post_init__(self) -> None:
         checks = [("port", self.port, 0, 65535), ("max_batch", self.max_batch, 1, 256),

@@ -123,6 +123,10 @@ def _describe(scheduler: Scheduler, host: str, port: int, keyed: bool) -> str:
               help="auto: a reasoning model's thinking (<think>...</think>, found in its chat "
                    "template) is returned apart as reasoning_content; none: left in the "
                    "content.")
+@click.option("--constrain-thinking", is_flag=True,
+              help="Structured output (response_format, a forced tool_choice) constrains a "
+                   "reasoning model's thinking too; by default it constrains the answer after "
+                   "the thinking, which stays free.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str | None,
@@ -133,7 +137,7 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
           num_draft_tokens: int | None, no_speculation: bool, adaptive: bool | None,
           providers: str, threads: str | None, no_verify: bool, head: str,
           prefix_cache: int, template_kwargs: str | None, reasoning_format: str,
-          log_level: str) -> None:
+          constrain_thinking: bool, log_level: str) -> None:
     """Serve PAIR with an OpenAI-compatible API (chat, completions, streaming).
 
     Concat-form pairs decode requests in one continuously batched speculative loop; gqa-shared
@@ -169,7 +173,8 @@ def serve(pair: Path, host: str, port: int, api_key: str | None, model_name: str
                                 num_draft_tokens=num_draft_tokens, adaptive=adaptive,
                                 warmup_tokens=warmup_tokens,
                                 template_variables=template_kwargs_option(template_kwargs),
-                                reasoning_format=reasoning_format)
+                                reasoning_format=reasoning_format,
+                                constrain_thinking=constrain_thinking)
         loaded = LoadOptions(providers=providers, threads=threads, no_verify=no_verify,
                              head=head, prefix_cache=prefix_cache).load(pair)
         app = create_app(loaded, options)

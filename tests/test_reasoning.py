@@ -4,7 +4,10 @@ e.g. Qwen3's `enable_thinking`), through the real server and the `openai` client
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.reasoning import THINK, ReasoningFormat, ReasoningStream
 from specedge.runtime.reply_reader import ReplyReader
 from specedge.runtime.server import ServerOptions, create_app
-from specedge.runtime.tool_calls import HERMES
+from specedge.runtime.tool_calls import HERMES, Tool
 
 from .test_hardening import pair_copy, rehash
 from .test_serve import running
@@ -150,12 +153,14 @@ def _solo(pair: Pair, messages: list[dict[str, Any]], regex: str,
 def test_reasoning_through_the_openai_client(thinking: Pair) -> None:
     """Whole and streamed: `reasoning_content` and `content` are the split of the reply that
     target-only decoding gives; `enable_thinking: false` and a prompt that opens the block
-    change the prompt as the template says; tool calls are read from the answer."""
+    change the prompt as the template says; tool calls are read from the answer. The regexes
+    spell the thinking block too (`constrain_thinking`), which steers the random model."""
     import openai
 
     pair = thinking
     model = pair.manifest.root.name
-    with running(create_app(pair, ServerOptions(max_tokens_limit=512))) as url:
+    with running(create_app(pair, ServerOptions(max_tokens_limit=512,
+                                                constrain_thinking=True))) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         for variables, regex, inside in [(None, THOUGHT, False),
                                          ({"open_thinking": True}, OPENED, True)]:
@@ -272,3 +277,141 @@ def test_template_variables_from_the_command_line(thinking: Pair) -> None:
                            ('{"messages": 1}', "--chat-template-kwargs.messages")):
         assert_clean_error(invoke(runner, "generate", root, "Hi", "--chat",
                                   "--chat-template-kwargs", value), message)
+
+
+# ===================================================== structured output after the thinking
+
+ANSWER = r"[a-z ]{3,12}"  # what the answer must match in the tests below
+QUESTIONS = ("Why is the sky blue?", "Hi", "Tell me a story.", "What is 2+2?", "Name a colour.")
+CHOICE = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+          "additionalProperties": False}
+
+
+def think_tokens(folder: Path) -> tuple[int, int]:
+    """Make the tiny tokenizer's last two BPE tokens `<think>` and `</think>`, tokens of their
+    own as in Qwen3's tokenizer (added tokens, not special), and return their ids."""
+    path = folder / "tokenizer.json"
+    doc = json.loads(path.read_text())
+    vocab = doc["model"]["vocab"]
+    ids = sorted(vocab.values())[-2:]
+    names = {i: text for text, i in vocab.items() if i in ids}
+    for i in ids:
+        del vocab[names[i]]
+    doc["model"]["merges"] = [m for m in doc["model"]["merges"]
+                              if "".join(m.split(" ") if isinstance(m, str) else m)
+                              not in names.values()]
+    for i, tag in zip(ids, (THINK.open_tag, THINK.close_tag), strict=True):
+        doc["added_tokens"].append({"id": i, "content": tag, "single_word": False,
+                                    "lstrip": False, "rstrip": False, "normalized": False,
+                                    "special": False})
+    path.write_text(json.dumps(doc))
+    rehash(folder, "tokenizer.json")
+    return ids[0], ids[1]
+
+
+def _tagged(pair: Pair, text: str, tags: tuple[int, int] | None) -> list[int]:
+    """`text`'s tokens, its think tags as the tokens `tags` (None: as text)."""
+    if tags is None:
+        return pair.tokenizer.encode(text)
+    out: list[int] = []
+    marked = text.replace("</think>", "\0c\0").replace("<think>", "\0o\0")
+    for i, piece in enumerate(marked.split("\0")):
+        out += [tags["oc".index(piece)]] if i % 2 else pair.tokenizer.encode(piece)
+    return out
+
+
+def test_a_grammar_after_the_thinking_leaves_the_thinking_free(tiny_pair: Pair,
+                                                               pair_copy: Path) -> None:
+    """The matcher of a grammar after a thinking block, on tags written in text (the tiny
+    tokenizer) and on tags that are tokens of their own: any thinking, then the answer the
+    grammar allows; the prompt may have opened the block; a reply may answer straight away."""
+    from specedge.runtime.grammar import Grammar
+    from specedge.runtime.reasoning import Thinking
+
+    opening, closing = think_tokens(pair_copy)
+    own = Pair.load(pair_copy)
+    for pair, tags in ((tiny_pair, None), (own, (opening, closing))):
+        cases = [("<think>Plan: {x}, 42!</think>\n\nblue sky", False, True),
+                 ("blue sky", False, True),
+                 ("Plan: {x}!</think> blue sky", True, True),
+                 ("<think>Plan</think>Blue!", False, False),  # the answer breaks the grammar
+                 ("Plan!", False, False),  # no block: the reply is the answer
+                 ("<think>a</think>b</think>c", False, False)]  # the first close ends it
+        for text, inside, valid in cases:
+            state = pair.grammars.state(Grammar("regex", ANSWER).after(Thinking(THINK, inside)))
+            ids = _tagged(pair, text, tags)
+            assert (state.allowed_prefix([], ids) == len(ids)) is valid, (text, tags)
+        forced = HERMES.grammar([Tool("time", "", '{"type": "object"}')], parallel=False)
+        for text, valid in (('<think>now?</think>\n<tool_call>\n{"name": "time", '
+                             '"arguments": {}}\n</tool_call>', True),
+                            ("<think>now?</think>\nIt is noon.", False)):
+            state = pair.grammars.state(forced.after(Thinking(THINK)))
+            ids = _tagged(pair, text, tags)
+            assert (state.allowed_prefix([], ids) == len(ids)) is valid, (text, tags)
+        if tags:  # the thinking may not spell the close tag in text (split would end there)
+            state = own.grammars.state(Grammar("regex", ANSWER).after(Thinking(THINK, True)))
+            ids = [*own.tokenizer.encode("a</think>"), closing, *own.tokenizer.encode("blue")]
+            assert state.allowed_prefix([], ids) < len(ids)
+
+
+@pytest.fixture
+def thinking_tokens(pair_copy: Path) -> tuple[Pair, int, int]:
+    """A reasoning pair whose tags are tokens of their own, with its ids of the two tags."""
+    (pair_copy / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    rehash(pair_copy, "chat_template.jinja")
+    opening, closing = think_tokens(pair_copy)
+    return Pair.load(pair_copy), opening, closing
+
+
+def test_structured_output_constrains_the_answer_not_the_thinking(
+        thinking_tokens: tuple[Pair, int, int]) -> None:
+    """Through the server (speculative, greedy): `response_format` and `structured_outputs`
+    hold for the answer after the thinking, which stays free, as target-only decoding with
+    the grammar after the thinking gives token for token; `serve --constrain-thinking` puts
+    the grammar on the whole reply. A logit bias on the tags steers the random model into
+    thinking and out of it."""
+    from specedge.runtime.grammar import Grammar
+    from specedge.runtime.reasoning import Thinking
+    from specedge.runtime.sampling import SamplingParams
+
+    pair, opening, closing = thinking_tokens
+    model = pair.manifest.root.name
+    cases = [({"open_thinking": True}, True, {"structured_outputs": {"regex": ANSWER}},
+              Grammar("regex", ANSWER)),
+             ({}, False, {"response_format": {"type": "json_schema", "json_schema": {
+                 "name": "choice", "schema": CHOICE}}}, Grammar.json_schema(CHOICE))]
+    with running(create_app(pair, ServerOptions(max_tokens_limit=48))) as url:
+        for variables, inside, field, grammar in cases:
+            config = GenerationConfig(max_new_tokens=48, drafter="none",
+                                      grammar=grammar.after(Thinking(THINK, inside)))
+            # The first question and least bias on the close tag that end the thinking
+            # after some of it (the random model thinks on to max_tokens unbiased).
+            for question, bias in itertools.product(QUESTIONS, [x / 4 for x in range(24)]):
+                messages = [{"role": "user", "content": question}]
+                biases = {opening: 50.0, closing: bias}
+                ids = pair.tokenizer.encode_chat(messages, variables=variables)
+                want = THINK.split(pair.generate(ids, replace(config, sampling=SamplingParams(
+                    temperature=0, logit_bias=biases))).text, inside)
+                if want.reasoning and want.content:
+                    break
+            assert want.reasoning and want.content, variables
+            reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": model, "messages": messages, "temperature": 0, "max_tokens": 48,
+                "logit_bias": {str(t): b for t, b in biases.items()},
+                "chat_template_kwargs": variables, **field}).json()
+            message = reply["choices"][0]["message"]
+            assert (message.get("reasoning_content"), message["content"]) == \
+                (want.reasoning, want.content), (variables, reply)
+            if inside:
+                assert re.fullmatch(ANSWER, want.content)
+                assert not re.fullmatch(ANSWER, want.reasoning)  # the thinking was free
+            else:
+                assert json.loads(want.content)["a"] in ("x", "y")
+    with running(create_app(pair, ServerOptions(max_tokens_limit=48,
+                                                constrain_thinking=True))) as url:
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": model, "messages": ASK, "temperature": 0, "max_tokens": 48,
+            "chat_template_kwargs": {"open_thinking": True},
+            "structured_outputs": {"regex": ANSWER}}).json()
+    message = reply["choices"][0]["message"]  # the whole reply matched: all thinking
+    assert message["content"] is None and re.fullmatch(ANSWER, message["reasoning_content"])
