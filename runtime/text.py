@@ -31,6 +31,7 @@ from .manifest import (
     read_listed,
     read_manifest,
 )
+from .reasoning import ReasoningFormat
 from .token_bytes import token_bytes
 
 __all__ = ["Tokenizer", "check_text"]
@@ -168,6 +169,12 @@ class Tokenizer:
         self._add_bos_token = add_bos_token
         self.max_chars = int(max_chars)
         self._compiled: ChatTemplate | None = None
+        # A reasoning model's tags that its tokenizer marks special: decoded text keeps them,
+        # or the thinking could not be told from the answer (`runtime/reasoning`).
+        reasoning = ReasoningFormat.for_template(chat_template)
+        tags = (reasoning.open_tag, reasoning.close_tag) if reasoning else ()
+        self._shown = {int(i): t.content for i, t in backend.get_added_tokens_decoder().items()
+                       if t.special and t.content in tags}
 
     @classmethod
     def from_folder(
@@ -348,7 +355,8 @@ class Tokenizer:
 
         Args:
             ids: The ids.
-            skip_special_tokens: Leave special tokens out of the text.
+            skip_special_tokens: Leave special tokens out of the text (but a reasoning model's
+                tags, which the text needs: see `__init__`).
 
         Returns:
             The text.
@@ -365,7 +373,17 @@ class Tokenizer:
             if value < 0:
                 raise InputError(f"token ids must be non-negative, got {value}")
             values.append(value)
-        return str(self._backend.decode(values, skip_special_tokens=skip_special_tokens))
+        if not skip_special_tokens or not self._shown.keys() & set(values):
+            return str(self._backend.decode(values, skip_special_tokens=skip_special_tokens))
+        pieces, run = [], list[int]()  # the runs between kept tags, decoded on their own
+        for value in [*values, -1]:
+            if value in self._shown or value < 0:
+                pieces.append(str(self._backend.decode(run, skip_special_tokens=True)))
+                pieces.append(self._shown.get(value, ""))
+                run = []
+            else:
+                run.append(value)
+        return "".join(pieces)
 
     def to_json(self) -> str:
         """The tokenizer serialized as `tokenizers` writes it (what llguidance loads)."""

@@ -287,9 +287,10 @@ CHOICE = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required
           "additionalProperties": False}
 
 
-def think_tokens(folder: Path) -> tuple[int, int]:
+def think_tokens(folder: Path, special: bool = False) -> tuple[int, int]:
     """Make the tiny tokenizer's last two BPE tokens `<think>` and `</think>`, tokens of their
-    own as in Qwen3's tokenizer (added tokens, not special), and return their ids."""
+    own as in Qwen3's tokenizer (added tokens, not special; or `special`, as some tokenizers
+    mark them), and return their ids."""
     path = folder / "tokenizer.json"
     doc = json.loads(path.read_text())
     vocab = doc["model"]["vocab"]
@@ -303,7 +304,7 @@ def think_tokens(folder: Path) -> tuple[int, int]:
     for i, tag in zip(ids, (THINK.open_tag, THINK.close_tag), strict=True):
         doc["added_tokens"].append({"id": i, "content": tag, "single_word": False,
                                     "lstrip": False, "rstrip": False, "normalized": False,
-                                    "special": False})
+                                    "special": special})
     path.write_text(json.dumps(doc))
     rehash(folder, "tokenizer.json")
     return ids[0], ids[1]
@@ -354,12 +355,13 @@ def test_a_grammar_after_the_thinking_leaves_the_thinking_free(tiny_pair: Pair,
             assert state.allowed_prefix([], ids) < len(ids)
 
 
-@pytest.fixture
-def thinking_tokens(pair_copy: Path) -> tuple[Pair, int, int]:
-    """A reasoning pair whose tags are tokens of their own, with its ids of the two tags."""
+@pytest.fixture(params=[False, True], ids=["added", "special"])
+def thinking_tokens(pair_copy: Path, request: pytest.FixtureRequest) -> tuple[Pair, int, int]:
+    """A reasoning pair whose tags are tokens of their own (marked special or not: decoded
+    text keeps them either way), with its ids of the two tags."""
     (pair_copy / "chat_template.jinja").write_text(THINKING_TEMPLATE)
     rehash(pair_copy, "chat_template.jinja")
-    opening, closing = think_tokens(pair_copy)
+    opening, closing = think_tokens(pair_copy, special=request.param)
     return Pair.load(pair_copy), opening, closing
 
 
@@ -376,6 +378,8 @@ def test_structured_output_constrains_the_answer_not_the_thinking(
 
     pair, opening, closing = thinking_tokens
     model = pair.manifest.root.name
+    text = pair.tokenizer.decode([opening, *pair.tokenizer.encode("hm"), closing])
+    assert text == "<think>hm</think>"  # the tags stay in the text, special or not
     cases = [({"open_thinking": True}, True, {"structured_outputs": {"regex": ANSWER}},
               Grammar("regex", ANSWER)),
              ({}, False, {"response_format": {"type": "json_schema", "json_schema": {
