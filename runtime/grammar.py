@@ -63,6 +63,10 @@ class Grammar:
         source: the schema, expression or grammar text.
         thinking: None, or the thinking the output starts with, which the grammar leaves free
             (see `after`).
+        tags: texts a "grammar" `source` refers to as the rules `tag0`, `tag1`, ... (a tool
+            call's `<tool_call>`): each may be written as the tokenizer's own token for it,
+            where it has one (as its model writes it; llguidance matches such a token only
+            as itself), or as text.
 
     Raises:
         InputError: for an unknown kind, or a source that does not compile; the message says
@@ -72,8 +76,12 @@ class Grammar:
     kind: str
     source: str = ""
     thinking: Thinking | None = None
+    tags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.tags and (self.kind != "grammar" or not all(
+                isinstance(t, str) and t for t in self.tags)):
+            raise InputError("grammar tags are non-empty texts, for a \"grammar\" kind only")
         if self.kind not in GRAMMAR_KINDS:
             raise InputError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got "
                              f"{self.kind!r}")
@@ -101,9 +109,13 @@ class Grammar:
         """This grammar for the answer a reasoning model writes after its `thinking`."""
         return replace(self, thinking=thinking)
 
-    def compiled(self) -> str:
-        """llguidance's grammar definition (of the answer: see `GrammarCompiler.state`)."""
+    def compiled(self, token_of: Callable[[str], int | None] | None = None) -> str:
+        """llguidance's grammar definition (of the answer: see `GrammarCompiler.state`), with
+        `tags` spelled by `token_of` (a tag's own token id, or None; None: text only)."""
         llg = _llguidance()
+        source = self.source + "".join(
+            f"\ntag{i}: {_spelled(tag, token_of(tag) if token_of else None)}"
+            for i, tag in enumerate(self.tags))
         try:
             if self.kind in ("json_object", "json_schema"):
                 schema = _ANY_OBJECT if self.kind == "json_object" else self.source
@@ -114,10 +126,15 @@ class Grammar:
                 if not isinstance(choices, list) or not choices or \
                         not all(isinstance(c, str) and c for c in choices):
                     raise ValueError("a choice is a JSON list of non-empty strings")
-            return str(llg.grammar_from(self.kind, self.source))  # "grammar": Lark or GBNF
+            return str(llg.grammar_from(self.kind, source))  # "grammar": Lark or GBNF
         except (ValueError, TypeError, RecursionError) as exc:
             raise InputError(f"the {self.kind} does not compile: {_one_line(str(exc))}") \
                 from None
+
+
+def _spelled(tag: str, token: int | None) -> str:
+    """A Lark rule body matching `tag`: as its own `token` (when there is one) or as text."""
+    return json.dumps(tag) if token is None else f"<[{token}]> | {json.dumps(tag)}"
 
 
 def _one_line(message: str) -> str:
@@ -151,7 +168,8 @@ class GrammarCompiler:
                 self._tokenizer = llg.LLTokenizer(self._json(), n_vocab=self.vocab_size,
                                                   eos_token=self.eos or None)
             lead = grammar.thinking.lark(self._own_token) if grammar.thinking else None
-        source = grammar.compiled()
+            tokens = {tag: self._own_token(tag) for tag in grammar.tags}
+        source = grammar.compiled(tokens.get)
         matcher = llg.LLMatcher(self._tokenizer,
                                 source if lead is None else _after_lead(source, lead),
                                 log_level=0)

@@ -212,12 +212,13 @@ class ToolFormat:
                    for t in tools]
         schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
         body = json.dumps({**schema, "x-guidance": _JSON_STYLE}, ensure_ascii=False)
-        call = " ".join([json.dumps(self.call_open)] * bool(self.call_open) + ["obj"]
-                        + [json.dumps(self.call_close)] * bool(self.call_close))
+        tags = tuple(t for t in (self.open_tag, self.close_tag) if t)
+        call = " ".join([*_around(self.call_open, tags), "obj", *_around(self.call_close, tags)])
         start = "call"
         if parallel and self.parallel:
             start = f"call ({json.dumps(self.separator)} call)*"
-        return Grammar("grammar", f"start: {start}\ncall: {call}\nobj: %json {body}\n")
+        return Grammar("grammar", f"start: {start}\ncall: {call}\nobj: %json {body}\n",
+                       tags=tags)
 
     def parse(self, text: str) -> ToolOutput:
         """The calls in a whole reply, and its text outside them (stripped; None if empty). A
@@ -276,6 +277,17 @@ class ToolFormat:
             return None
         arguments = obj.get(self.arguments_key, obj.get("arguments", {}))
         return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _around(text: str, tags: Sequence[str]) -> list[str]:
+    """Lark for `text` (the text before or after a call's JSON) with the tag in it as its rule
+    (`tag0`, `tag1`: the tag of `tags` at that index; see `Grammar.tags`)."""
+    tag = text.strip()
+    if not tag:
+        return [json.dumps(text)] if text else []
+    head, tail = text.split(tag, 1)
+    return [json.dumps(head)] * bool(head) + [f"tag{list(tags).index(tag)}"] + \
+        [json.dumps(tail)] * bool(tail)
 
 
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments",

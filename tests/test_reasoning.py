@@ -287,27 +287,33 @@ CHOICE = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required
           "additionalProperties": False}
 
 
-def think_tokens(folder: Path, special: bool = False) -> tuple[int, int]:
-    """Make the tiny tokenizer's last two BPE tokens `<think>` and `</think>`, tokens of their
-    own as in Qwen3's tokenizer (added tokens, not special; or `special`, as some tokenizers
-    mark them), and return their ids."""
+def own_tokens(folder: Path, texts: tuple[str, ...], special: bool = False) -> list[int]:
+    """Make the tiny tokenizer's last BPE tokens `texts`, tokens of their own as in Qwen3's
+    tokenizer (added tokens, not special; or `special`, as some tokenizers mark them), and
+    return their ids."""
     path = folder / "tokenizer.json"
     doc = json.loads(path.read_text())
     vocab = doc["model"]["vocab"]
-    ids = sorted(vocab.values())[-2:]
+    ids = sorted(vocab.values())[-len(texts):]
     names = {i: text for text, i in vocab.items() if i in ids}
     for i in ids:
         del vocab[names[i]]
     doc["model"]["merges"] = [m for m in doc["model"]["merges"]
                               if "".join(m.split(" ") if isinstance(m, str) else m)
                               not in names.values()]
-    for i, tag in zip(ids, (THINK.open_tag, THINK.close_tag), strict=True):
-        doc["added_tokens"].append({"id": i, "content": tag, "single_word": False,
+    for i, text in zip(ids, texts, strict=True):
+        doc["added_tokens"].append({"id": i, "content": text, "single_word": False,
                                     "lstrip": False, "rstrip": False, "normalized": False,
                                     "special": special})
     path.write_text(json.dumps(doc))
     rehash(folder, "tokenizer.json")
-    return ids[0], ids[1]
+    return ids
+
+
+def think_tokens(folder: Path, special: bool = False) -> tuple[int, int]:
+    """`<think>` and `</think>` as tokens of their own (`own_tokens`), and their ids."""
+    opening, closing = own_tokens(folder, (THINK.open_tag, THINK.close_tag), special)
+    return opening, closing
 
 
 def _tagged(pair: Pair, text: str, tags: tuple[int, int] | None) -> list[int]:

@@ -23,6 +23,7 @@ from specedge.runtime.text import Tokenizer
 from specedge.runtime.tool_calls import (
     HERMES,
     LLAMA3_JSON,
+    Tool,
     ToolCall,
     ToolFormat,
     ToolInputError,
@@ -442,3 +443,38 @@ def test_generate_with_tools_from_the_command_line(tiny_pair_dir: Path, tmp_path
         assert_clean_error(invoke(runner, "generate", tiny_pair_dir, "Hi", *args), message)
     usage = invoke(runner, "generate", tiny_pair_dir, "Hi", "--tool-choice", "required")
     assert usage.exit_code == 2 and "--tool-choice needs --tools" in usage.output
+
+
+def test_a_forced_call_may_write_its_tags_as_the_tokenizers_own(pair_copy: Path) -> None:
+    """Qwen's `<tool_call>` and `</tool_call>` are tokens of their own: a forced call's grammar
+    takes them as those tokens (as the model writes them; before, only as text pieces the
+    model never writes) or as text, and the server reads the calls either way."""
+    from .test_reasoning import own_tokens
+
+    (pair_copy / "chat_template.jinja").write_text(NATIVE_TEMPLATE)
+    rehash(pair_copy, "chat_template.jinja")
+    opening, closing = own_tokens(pair_copy, ("<tool_call>", "</tool_call>"))
+    pair = Pair.load(pair_copy)
+    grammar = HERMES.grammar([Tool("time", "", '{"type": "object", "properties": {}, '
+                                               '"additionalProperties": false}')], False)
+    encode = pair.tokenizer.encode
+    body = encode('\n{"name": "time", "arguments": {}}\n')
+    for ids in ([opening, *body, closing],
+                [*encode("<"), *encode("tool_call>"), *body, *encode("</"), *encode("tool_call>")]):
+        assert pair.grammars.state(grammar).allowed_prefix([], ids) == len(ids), ids
+    tools = [{"type": "function", "function": {"name": "time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}]
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(tools, "required"))
+    bias = {opening: 30.0, closing: 30.0}  # the random model writes the tags as the tokens
+    want = pair.generate(plan.prompt_ids(pair.tokenizer, ASK), GenerationConfig(
+        max_new_tokens=64, drafter="none", grammar=plan.grammar,
+        sampling=SamplingParams(temperature=0, logit_bias=bias)))
+    assert want.tokens[0] == opening and closing in want.tokens
+    with running(create_app(pair, ServerOptions())) as url:
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": pair.manifest.root.name, "messages": ASK, "tools": tools,
+            "tool_choice": "required", "temperature": 0, "max_tokens": 64,
+            "logit_bias": {str(t): b for t, b in bias.items()}}).json()
+    message = reply["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["time"]
+    assert reply["usage"]["completion_tokens"] == len(want.tokens)
