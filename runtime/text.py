@@ -33,6 +33,7 @@ from .manifest import (
 )
 from .reasoning import ReasoningFormat
 from .token_bytes import token_bytes
+from .tool_calls import ToolFormat
 
 __all__ = ["Tokenizer", "check_text"]
 
@@ -169,10 +170,13 @@ class Tokenizer:
         self._add_bos_token = add_bos_token
         self.max_chars = int(max_chars)
         self._compiled: ChatTemplate | None = None
-        # A reasoning model's tags that its tokenizer marks special: decoded text keeps them,
-        # or the thinking could not be told from the answer (`runtime/reasoning`).
+        # A reasoning model's tags and its tool-call tags that its tokenizer marks special:
+        # decoded text keeps them, or the thinking could not be told from the answer, nor a
+        # call from text (`runtime/reasoning`, `runtime/tool_calls`).
         reasoning = ReasoningFormat.for_template(chat_template)
-        tags = (reasoning.open_tag, reasoning.close_tag) if reasoning else ()
+        calls = ToolFormat.for_template(chat_template)
+        tags = ((reasoning.open_tag, reasoning.close_tag) if reasoning else ()) + \
+            ((calls.open_tag, calls.close_tag) if calls else ())
         self._shown = {int(i): t.content for i, t in backend.get_added_tokens_decoder().items()
                        if t.special and t.content in tags}
 
@@ -356,7 +360,7 @@ class Tokenizer:
         Args:
             ids: The ids.
             skip_special_tokens: Leave special tokens out of the text (but a reasoning model's
-                tags, which the text needs: see `__init__`).
+                and its tool calls' tags, which the text needs: see `__init__`).
 
         Returns:
             The text.

@@ -2,10 +2,12 @@
 grammar that makes a reply nothing but calls.
 
 Follows OpenAI's chat API (`tools`, `tool_choice`, `parallel_tool_calls`; a call's `arguments`
-is JSON text) and the two call syntaxes small open models are trained on, as data
-(`ToolFormat`): Hermes-style `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
-(Qwen2.5 and Qwen3, SmolLM3, Hermes; and specedge's own prompt for templates that take no
-tools, `runtime/tool_prompt`), and Llama 3's bare `{"name": ..., "parameters": {...}}`.
+is JSON text) and the call syntaxes small open models are trained on, as data (`ToolFormat`):
+Hermes-style `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen2.5 and
+Qwen3, SmolLM3, Granite 4, Hermes; and specedge's own prompt for templates that take no tools,
+`runtime/tool_prompt`), Phi-4-mini's `<|tool_call|>{...}<|/tool_call|>`, Llama 3's bare
+`{"name": ..., "parameters": {...}}`, and one JSON array of calls after a tag: Mistral's
+`[TOOL_CALLS][{...}, ...]` and Granite 3's `<|tool_call|>[{...}, ...]`.
 
 `tool_choice` "required" or a named function makes the reply calls only: a grammar (one JSON
 schema per tool, its `parameters` as the arguments' schema, llguidance's `%json` in a Lark
@@ -27,7 +29,8 @@ from .errors import FieldError
 from .grammar import Grammar
 from .held_text import Trimmed, partial_suffix
 
-__all__ = ["HERMES", "LLAMA3_JSON", "TOOL_FORMATS", "Tool", "ToolCall", "ToolFormat",
+__all__ = ["GRANITE3", "HERMES", "LLAMA3_JSON", "MISTRAL", "PHI4", "TOOL_FORMATS", "Tool",
+           "ToolCall", "ToolFormat",
            "ToolInputError", "ToolOutput", "ToolSet", "ToolStream"]
 
 MAX_TOOLS = 128
@@ -168,6 +171,8 @@ class ToolFormat:
         arguments_key: the key of a call's arguments in its JSON object.
         parallel: the format may hold several calls in one reply.
         markers: text in a chat template that says its model writes this format.
+        listed: the calls are one JSON array after `call_open` (`separator` between them;
+            no `call_close`).
     """
 
     name: str
@@ -177,6 +182,17 @@ class ToolFormat:
     arguments_key: str
     parallel: bool = True
     markers: tuple[str, ...] = field(default=(), compare=False)
+    listed: bool = False
+
+    def __post_init__(self) -> None:
+        assert not (self.listed and self.call_close), "a listed format has no close tag"
+
+    @classmethod
+    def for_template(cls, source: str | None) -> ToolFormat | None:
+        """The format a chat template's model writes: the first of `TOOL_FORMATS` whose
+        marker the template holds (None: none)."""
+        return next((f for f in TOOL_FORMATS if source and any(m in source for m in f.markers)),
+                    None)
 
     @property
     def open_tag(self) -> str:
@@ -196,7 +212,7 @@ class ToolFormat:
             arguments = call.arguments
         body = json.dumps({"name": call.name, self.arguments_key: arguments},
                           ensure_ascii=False)
-        return self.call_open + body + self.call_close
+        return self.call_open + (f"[{body}]" if self.listed else body) + self.call_close
 
     def grammar(self, tools: Sequence[Tool], parallel: bool) -> Grammar:
         """A reply of calls only, one of `tools` each (several when `parallel` and the format
@@ -213,12 +229,22 @@ class ToolFormat:
         schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
         body = json.dumps({**schema, "x-guidance": _JSON_STYLE}, ensure_ascii=False)
         tags = tuple(t for t in (self.open_tag, self.close_tag) if t)
-        call = " ".join([*_around(self.call_open, tags), "obj", *_around(self.call_close, tags)])
-        start = "call"
-        if parallel and self.parallel:
-            start = f"call ({json.dumps(self.separator)} call)*"
-        return Grammar("grammar", f"start: {start}\ncall: {call}\nobj: %json {body}\n",
-                       tags=tags)
+        many = parallel and self.parallel
+        head, tail = _around(self.call_open, tags), _around(self.call_close, tags)
+        if self.listed:  # one array after the tag: [call, call, ...]
+            start = " ".join([*head, '" "? "["', "obj", self._more("obj", many), '"]"', *tail])
+            rules = f"start: {start}\n"
+        else:
+            rules = (f"start: call {self._more('call', many)}\n"
+                     f"call: {' '.join([*head, 'obj', *tail])}\n")
+        rules += f"obj: %json {body}\n"
+        return Grammar("grammar", rules, tags=tags)
+
+    def _more(self, item: str, many: bool) -> str:
+        """Lark for the further `item`s after the first (none unless `many`)."""
+        if not many:
+            return ""
+        return f"({json.dumps(self.separator)} {item})*" if self.separator else f"{item}*"
 
     def parse(self, text: str) -> ToolOutput:
         """The calls in a whole reply, and its text outside them (stripped; None if empty). A
@@ -226,6 +252,8 @@ class ToolFormat:
         opening, closing = self.open_tag, self.close_tag
         if not opening:
             return self._parse_bare(text)
+        if self.listed:
+            return self._parse_listed(text)
         calls: list[ToolCall] = []
         content: list[str] = []
         pos = 0
@@ -264,6 +292,30 @@ class ToolFormat:
             return ToolOutput(None, tuple(calls))
         return ToolOutput(stripped or None)
 
+    def _parse_listed(self, text: str) -> ToolOutput:
+        """The calls of the array after the first `call_open` (the text around it is content;
+        a reply whose array does not parse, or holds anything but calls, is all text)."""
+        start = text.find(self.open_tag)
+        found = self.array_after(text[start + len(self.open_tag):]) if start >= 0 else None
+        if found is None:
+            return ToolOutput(text.strip() or None)
+        calls, rest = found
+        return ToolOutput((text[:start] + rest).strip() or None, calls)
+
+    def array_after(self, text: str) -> tuple[tuple[ToolCall, ...], str] | None:
+        """The calls of the JSON array (or one object) `text` starts with (after whitespace),
+        and the text after it; None when it does not parse as calls."""
+        body = text.lstrip()
+        try:
+            value, end = json.JSONDecoder().raw_decode(body)
+        except ValueError:
+            return None
+        items = value if isinstance(value, list) else [value]
+        calls = [self._call_object(item) for item in items]
+        if not calls or any(c is None for c in calls):
+            return None
+        return tuple(c for c in calls if c is not None), body[end:]
+
     def call_from(self, body: str) -> ToolCall | None:
         """The call a JSON text between `call_open` and `call_close` makes (None: none)."""
         try:
@@ -292,9 +344,17 @@ def _around(text: str, tags: Sequence[str]) -> list[str]:
 
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments",
                     markers=("<tool_call>",))
+PHI4 = ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", "", "arguments",
+                  markers=("<|/tool_call|>",))
+GRANITE3 = ToolFormat("granite3", "<|tool_call|>", "", ", ", "arguments", listed=True,
+                      markers=("<|tool_call|>",))
+MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", ", ", "arguments", listed=True,
+                     markers=("[TOOL_CALLS]",))
 LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters", parallel=False,
                          markers=("<|start_header_id|>",))
-TOOL_FORMATS = (HERMES, LLAMA3_JSON)  # the first whose marker a template holds; else Hermes
+# The first whose marker a template holds (PHI4 before GRANITE3: Phi-4's template holds both
+# tags); a template that takes tools and holds none is taken as Hermes.
+TOOL_FORMATS = (HERMES, PHI4, GRANITE3, MISTRAL, LLAMA3_JSON)
 
 
 class ToolStream:
@@ -310,12 +370,15 @@ class ToolStream:
         self._buffer = ""  # text not decided yet
         self._content = Trimmed()  # the text outside calls
         self._bare: bool | None = None  # a bare format: the reply is calls (True) or text
+        self._listed = "before"  # a listed format: before | array (after the tag) | after
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Content to send now, and the calls `text` completed."""
         self._buffer += text
         if not self.fmt.open_tag:
             return self._feed_bare()
+        if self.fmt.listed:
+            return self._feed_listed()
         opening, closing = self.fmt.open_tag, self.fmt.close_tag
         content, calls = "", list[ToolCall]()
         while True:
@@ -346,11 +409,47 @@ class ToolStream:
                 return self._give(rest), []
             found = self.fmt.parse(rest)
             return self._give(found.content or ""), list(found.calls)
+        if self.fmt.listed:
+            if self._listed != "array":
+                return self._give(rest), []
+            array = self.fmt.array_after(rest)
+            if array is None:  # not calls: the tag and all after it are text
+                return self._give(self.fmt.open_tag + rest), []
+            return self._give(array[1]), list(array[0])
         if rest.startswith(self.fmt.open_tag):
             call = self.fmt.call_from(rest[len(self.fmt.open_tag):])
             if call is not None:
                 return "", [call]
         return self._give(rest), []
+
+    def _feed_listed(self) -> tuple[str, list[ToolCall]]:
+        """A listed format: text up to the first tag, then its array (held until it parses as
+        calls, or the reply ends), then text."""
+        content = ""
+        if self._listed == "before":
+            opening = self.fmt.open_tag
+            start = self._buffer.find(opening)
+            if start < 0:
+                keep = partial_suffix(self._buffer, opening)
+                content = self._give(self._buffer[:len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return content, []
+            content = self._give(self._buffer[:start])
+            self._buffer, self._listed = self._buffer[start + len(opening):], "array"
+        if self._listed == "array":
+            head = self._buffer.lstrip()
+            if head and head[0] not in "[{":  # no array: the tag and the rest are text
+                self._buffer, self._listed = self.fmt.open_tag + self._buffer, "after"
+            elif (array := self.fmt.array_after(self._buffer)) is not None:
+                self._buffer, self._listed = array[1], "after"
+                return content + self._give(self._buffer_out()), list(array[0])
+            else:
+                return content, []
+        return content + self._give(self._buffer_out()), []
+
+    def _buffer_out(self) -> str:
+        text, self._buffer = self._buffer, ""
+        return text
 
     def _feed_bare(self) -> tuple[str, list[ToolCall]]:
         if self._bare is None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .grammar import Grammar
 from .text import Tokenizer
-from .tool_calls import HERMES, TOOL_FORMATS, ToolCall, ToolFormat, ToolSet
+from .tool_calls import HERMES, ToolCall, ToolFormat, ToolSet
 
 __all__ = ["ToolPlan", "has_tool_turns"]
 
@@ -57,9 +57,7 @@ class ToolPlan:
             InputError: the pair has no chat template, or it does not compile.
         """
         native = tokenizer.chat_takes_tools
-        source = tokenizer.chat_template or ""
-        fmt = next((f for f in TOOL_FORMATS if any(m in source for m in f.markers)), HERMES) \
-            if native else HERMES
+        fmt = (ToolFormat.for_template(tokenizer.chat_template) or HERMES) if native else HERMES
         return cls(fmt, native, tools)
 
     @property

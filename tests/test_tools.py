@@ -21,8 +21,12 @@ from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.server import ServerOptions, create_app
 from specedge.runtime.text import Tokenizer
 from specedge.runtime.tool_calls import (
+    GRANITE3,
     HERMES,
     LLAMA3_JSON,
+    MISTRAL,
+    PHI4,
+    TOOL_FORMATS,
     Tool,
     ToolCall,
     ToolFormat,
@@ -132,9 +136,24 @@ def test_parse_finds_calls_and_keeps_the_rest_as_text() -> None:
         ToolOutput(None, (ToolCall("f", '{"x": "y"}'),))
     assert LLAMA3_JSON.parse('{"answer": 1}') == ToolOutput('{"answer": 1}')
     assert LLAMA3_JSON.parse("Hello") == ToolOutput("Hello")
-    for fmt in (HERMES, LLAMA3_JSON):
+    two_calls = (ToolCall("f", '{"a": 1}'), ToolCall("g", "{}"))
+    for fmt in (MISTRAL, GRANITE3):  # one array of calls after the tag
+        tag = fmt.open_tag
+        assert fmt.parse(f'{tag}[{{"name": "f", "arguments": {{"a": 1}}}}, '
+                         '{"name": "g", "arguments": {}}]') == ToolOutput(None, two_calls)
+        assert fmt.parse(f'Sure. {tag} {{"name": "g", "arguments": {{}}}} ok') == \
+            ToolOutput("Sure.  ok", two_calls[1:])  # one object, and text around it
+        for text in (f"{tag} not json", f"{tag}[1, 2]", f"{tag}[]", "plain"):
+            assert fmt.parse(text) == ToolOutput(text)
+    assert PHI4.parse('<|tool_call|>{"name": "g", "arguments": {}}<|/tool_call|>') == \
+        ToolOutput(None, two_calls[1:])
+    for fmt in TOOL_FORMATS:
         written = ToolCall("weather", '{"city": "Oslo", "days": [1, 2]}')
-        assert fmt.parse(fmt.write(written)).calls == (written,)
+        assert fmt.parse(fmt.write(written)).calls == (written,), fmt.name
+    for marker, fmt in (("<tool_call>", HERMES), ("[TOOL_CALLS]", MISTRAL),
+                        ("<|tool_call|>", GRANITE3), ("<|tool_call|><|/tool_call|>", PHI4),
+                        ("<|start_header_id|>", LLAMA3_JSON), ("plain", None)):
+        assert ToolFormat.for_template(f"{{{{ tools }}}}{marker}") is fmt, marker
 
 
 _PIECES = st.lists(st.sampled_from([
@@ -142,11 +161,13 @@ _PIECES = st.lists(st.sampled_from([
     '{"name": "k", "arguments": {}}',
     '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>',
     '<tool_call>\n{"name": "g"}\n</tool_call>', "<tool_call>\nbad\n</tool_call>",
-    '{"name": "h", "parameters": {}}', "; ", "</tool_call>"]), max_size=8)
+    '{"name": "h", "parameters": {}}', "; ", "</tool_call>", "[TOOL_CALLS]", "<|tool_call|>",
+    "[TOOL", "<|/tool_call|>", "[", "]", ", ", '[{"name": "m", "arguments": {"b": 2}}]',
+    '{"name": "n", "arguments": {}}']), max_size=8)
 
 
-@settings(max_examples=400)
-@given(pieces=_PIECES, data=st.data(), fmt=st.sampled_from([HERMES, LLAMA3_JSON]))
+@settings(max_examples=600)
+@given(pieces=_PIECES, data=st.data(), fmt=st.sampled_from(TOOL_FORMATS))
 def test_a_streamed_reply_gives_what_the_whole_reply_gives(pieces: list[str], data: Any,
                                                            fmt: ToolFormat) -> None:
     text = "".join(pieces)
@@ -478,3 +499,59 @@ def test_a_forced_call_may_write_its_tags_as_the_tokenizers_own(pair_copy: Path)
     message = reply["choices"][0]["message"]
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["time"]
     assert reply["usage"]["completion_tokens"] == len(want.tokens)
+
+
+# A Mistral-style template (written for this test): the tools before the user turn, and calls
+# as one JSON array after the [TOOL_CALLS] token, which the tokenizer marks special.
+MISTRAL_TEMPLATE = """\
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+[INST] {{ message.content }}[/INST]
+{%- elif message.tool_calls %}[TOOL_CALLS] [
+{%- for call in message.tool_calls %}
+{{- {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}
+{%- if not loop.last %}, {% endif %}
+{%- endfor %}]<|im_end|>
+{%- elif message.role == 'tool' %}[TOOL_RESULTS] {{ message.content }}[/TOOL_RESULTS]
+{%- else %}{{ message.content }}<|im_end|>
+{%- endif %}
+{%- endfor %}"""
+
+
+def test_mistral_calls_after_a_special_token(pair_copy: Path) -> None:
+    """Mistral's format: the template's marker picks it, the special [TOOL_CALLS] stays in the
+    decoded text, a forced reply is the tag and one array of calls fitting their schemas, and
+    the server returns them whole and streamed as target-only decoding finds them."""
+    import openai
+
+    from .test_reasoning import own_tokens
+
+    (pair_copy / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    rehash(pair_copy, "chat_template.jinja")
+    (tag,) = own_tokens(pair_copy, ("[TOOL_CALLS]",), special=True)
+    pair = Pair.load(pair_copy)
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(TOOLS, "required"))
+    assert plan.native and plan.fmt is MISTRAL
+    assert pair.tokenizer.decode([tag, *pair.tokenizer.encode("[]")]) == "[TOOL_CALLS][]"
+    want = _solo(pair, plan, ASK)
+    assert want.tokens[0] == tag  # the grammar takes the tag as its token
+    found = calls_of(MISTRAL, want.text)
+    assert found and all(fits(name, arguments) for name, arguments in found)
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris"}}]' in \
+        plan.prompt_text(pair.tokenizer, history)
+    with running(create_app(pair, ServerOptions())) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        kwargs: dict[str, Any] = {"model": pair.manifest.root.name, "messages": ASK,
+                                  "tools": TOOLS, "tool_choice": "required", "temperature": 0}
+        whole = client.chat.completions.create(**kwargs)
+        calls = whole.choices[0].message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == found
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        streamed = [c.function for chunk in chunks if chunk.choices
+                    for c in chunk.choices[0].delta.tool_calls or []]
+        assert [(f.name, json.loads(f.arguments or "")) for f in streamed] == found
