@@ -173,6 +173,8 @@ class ToolFormat:
         markers: text in a chat template that says its model writes this format.
         listed: the calls are one JSON array after `call_open` (`separator` between them;
             no `call_close`).
+        call_id_length: the length of the call ids its chat template takes, letters and digits
+            only (Mistral's templates refuse others); 0: any id.
     """
 
     name: str
@@ -183,6 +185,7 @@ class ToolFormat:
     parallel: bool = True
     markers: tuple[str, ...] = field(default=(), compare=False)
     listed: bool = False
+    call_id_length: int = 0
 
     def __post_init__(self) -> None:
         assert not (self.listed and self.call_close), "a listed format has no close tag"
@@ -349,7 +352,7 @@ PHI4 = ToolFormat("phi4", "<|tool_call|>", "<|/tool_call|>", "", "arguments",
 GRANITE3 = ToolFormat("granite3", "<|tool_call|>", "", ", ", "arguments", listed=True,
                       markers=("<|tool_call|>",))
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", ", ", "arguments", listed=True,
-                     markers=("[TOOL_CALLS]",))
+                     markers=("[TOOL_CALLS]",), call_id_length=9)
 LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters", parallel=False,
                          markers=("<|start_header_id|>",))
 # The first whose marker a template holds (PHI4 before GRANITE3: Phi-4's template holds both

@@ -10,6 +10,7 @@ as text, so any chat model can be offered tools (how well it uses them is the mo
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -85,7 +86,8 @@ class ToolPlan:
         """The messages and the `tools` the chat template gets."""
         shown = self.shown
         if self.native:
-            return [_native(m) for m in messages], shown.openai() if shown else None
+            return [_native(m, self.fmt.call_id_length) for m in messages], \
+                shown.openai() if shown else None
         out = [_as_text(m) for m in messages]
         if shown is not None:
             listing = "\n".join(json.dumps(t["function"], ensure_ascii=False)
@@ -127,14 +129,29 @@ def _calls(message: Mapping[str, Any]) -> list[tuple[ToolCall, Mapping[str, Any]
     return out
 
 
-def _native(message: Mapping[str, Any]) -> dict[str, Any]:
+def _native(message: Mapping[str, Any], id_length: int) -> dict[str, Any]:
     out = {**message, "content": message.get("content") or ""}
     if calls := _calls(message):
         out["tool_calls"] = [{**entry, "type": "function",
+                              "id": _call_id(entry.get("id"), id_length),
                               "function": {"name": call.name,
                                            "arguments": _object(call.arguments)}}
                              for call, entry in calls]
+    if "tool_call_id" in message:
+        out["tool_call_id"] = _call_id(message["tool_call_id"], id_length)
     return out
+
+
+def _call_id(call_id: Any, length: int) -> Any:
+    """A call id as a template that takes ids of `length` letters and digits reads it: the
+    id's last `length` characters when they are such, else as many of its sha256's (so that a
+    call and its result still match); the id itself when `length` is 0."""
+    if not length or not isinstance(call_id, str):
+        return call_id
+    tail = call_id[-length:]
+    if len(tail) == length and tail.isascii() and tail.isalnum():
+        return tail
+    return hashlib.sha256(call_id.encode()).hexdigest()[:length]
 
 
 def _object(arguments: str) -> Any:

@@ -5,6 +5,7 @@ found in whole and streamed replies, through the real server and the `openai` cl
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -510,10 +511,12 @@ MISTRAL_TEMPLATE = """\
 [INST] {{ message.content }}[/INST]
 {%- elif message.tool_calls %}[TOOL_CALLS] [
 {%- for call in message.tool_calls %}
+{%- if call.id | length != 9 %}{{ raise_exception('call ids are 9 letters and digits') }}{% endif %}
 {{- {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}
 {%- if not loop.last %}, {% endif %}
 {%- endfor %}]<|im_end|>
-{%- elif message.role == 'tool' %}[TOOL_RESULTS] {{ message.content }}[/TOOL_RESULTS]
+{%- elif message.role == 'tool' %}[TOOL_RESULTS] {{ message.tool_call_id }}:
+{{- ' ' + message.content }}[/TOOL_RESULTS]
 {%- else %}{{ message.content }}<|im_end|>
 {%- endif %}
 {%- endfor %}"""
@@ -542,8 +545,10 @@ def test_mistral_calls_after_a_special_token(pair_copy: Path) -> None:
         {"id": "call_1", "type": "function",
          "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    assert '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris"}}]' in \
-        plan.prompt_text(pair.tokenizer, history)
+    rendered = plan.prompt_text(pair.tokenizer, history)  # "call_1": not the 9 characters
+    assert '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris"}}]' in rendered
+    (call_id,) = re.findall(r"\[TOOL_RESULTS\] (\w+): sunny", rendered)
+    assert len(call_id) == 9 and call_id.isalnum()  # the call's id, as the template takes it
     with running(create_app(pair, ServerOptions())) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
         kwargs: dict[str, Any] = {"model": pair.manifest.root.name, "messages": ASK,
