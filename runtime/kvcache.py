@@ -16,6 +16,7 @@ memory available. `runtime/backend` runs the model on these buffers.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import resource
@@ -212,12 +213,15 @@ class KVCache:
 
     def same_layout(self, other: KVCache) -> bool:
         """`other` holds its keys and values as this cache does (layers, heads, head size,
-        dtype, graph form, device, rows): `copy_from` can take its positions."""
+        dtype, device, rows; either graph form on the CPU, where a concat-form host array and
+        gqa-shared buffers hold a position alike): `copy_from` can take its positions."""
         a, b = self.model.spec, other.model.spec
-        return (a.num_layers, a.num_kv_heads, a.head_dim, a.kv.dtype, a.graph,
-                self.model.config.device, self.model.config.device_id, self.batch) == \
-            (b.num_layers, b.num_kv_heads, b.head_dim, b.kv.dtype, b.graph,
+        device = self.model.config.device
+        return (a.num_layers, a.num_kv_heads, a.head_dim, a.kv.dtype,
+                device, self.model.config.device_id, self.batch) == \
+            (b.num_layers, b.num_kv_heads, b.head_dim, b.kv.dtype,
              other.model.config.device, other.model.config.device_id, other.batch) and \
+            (a.graph == b.graph or device == "cpu") and \
             self.device_kv is None and other.device_kv is None
 
     def copy_from(self, other: KVCache, start: int, end: int, row: int = 0) -> None:
@@ -229,8 +233,9 @@ class KVCache:
                 <= min(int(other.lengths[row]), self.max_len)):
             raise AssertionError(f"copy of positions [{start}, {end}) into a row of length "
                                  f"{self.lengths[row]} from one of {other.lengths[row]}")
-        if self.host is not None and other.host is not None:
-            self.host[:, row, :, start:end] = other.host[:, row, :, start:end]
+        if self.host is not None or other.host is not None:  # one of them on the host (CPU)
+            for i in range(2 * self.model.spec.num_layers):
+                self.cpu_layer(i)[row, :, start:end] = other.cpu_layer(i)[row, :, start:end]
         else:  # in place: each value `[batch, heads, max_len, head_dim]`, a span per head
             ops, spec = self.model.kv_ops(), self.model.spec
             dim, heads = spec.head_dim, spec.num_kv_heads
@@ -244,6 +249,21 @@ class KVCache:
             self.lengths = np.array([end], dtype=np.int64)
         else:
             self.lengths[row] = end
+
+    def cpu_layer(self, i: int) -> np.ndarray:
+        """Value `i` (`_kv_names` order) of a CPU cache as an array `[batch, heads, max_len,
+        head_dim]`: the concat form's host slice, or a view of the gqa-shared OrtValue's
+        memory (writes go to the buffer the model reads)."""
+        if self.host is not None:
+            return self.host[i]
+        if self.model.config.device != "cpu" or not self.values:
+            raise AssertionError("cpu_layer reads a CPU cache")
+        spec = self.model.spec
+        dtype = np.dtype(NP_DTYPES[spec.kv.dtype])
+        shape = (self.batch, spec.num_kv_heads, self.max_len, spec.head_dim)
+        memory = (ctypes.c_char * (math.prod(shape) * dtype.itemsize)).from_address(
+            self.values[i].data_ptr())
+        return np.frombuffer(memoryview(memory), dtype=dtype).reshape(shape)
 
     def rollback(self, lengths: np.ndarray | int) -> None:
         """Set the valid length of each row (O(1): nothing is recomputed or copied)."""

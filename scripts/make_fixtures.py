@@ -3,8 +3,9 @@
 Usage: python scripts/make_fixtures.py OUT_DIR
 Writes OUT_DIR/tiny-llama (fp32 target + int4 self-draft), OUT_DIR/tiny-llama-int8
 (fp32 target + int8 self-draft), OUT_DIR/tiny-llama-concat (fp32 target + int4 self-draft, both
-in the concat graph form, for batched speculative decoding), OUT_DIR/tiny-llama-std (the same in
-the standard-op concat form of the torch export, which TensorRT takes) and
+in the concat graph form, for batched speculative decoding), OUT_DIR/tiny-llama-mixed (its
+target concat, its draft gqa-shared), OUT_DIR/tiny-llama-std (tiny-llama-concat in the
+standard-op concat form of the torch export, which TensorRT takes) and
 OUT_DIR/tiny-llama-int8static (its target quantized with calibrated static int8 QDQ by
 `specedge quantize`) and OUT_DIR/tiny-llama-split (tiny-llama with its target's head split off,
 as `export` does for heads of a MiB or more). Pairs already in OUT_DIR are kept. Needs the
@@ -20,12 +21,14 @@ from pathlib import Path
 from specedge.exporter.pair import ExportOptions, export_pair
 from specedge.exporter.tiny import make_tiny_model
 
-# name: (draft precision, graph form; None = the family's default)
-PAIRS: dict[str, tuple[str, str | None]] = {
-    "tiny-llama": ("int4", None),
-    "tiny-llama-int8": ("int8", None),
-    "tiny-llama-concat": ("int4", "concat"),
-    "tiny-llama-std": ("int4", "concat-standard"),
+# name: (draft precision, graph form (None = the family's default), the draft's where it
+# differs: tiny-llama-mixed is the shape of models/smollm2-135m-concat.sh)
+PAIRS: dict[str, tuple[str, str | None, str | None]] = {
+    "tiny-llama": ("int4", None, None),
+    "tiny-llama-int8": ("int8", None, None),
+    "tiny-llama-concat": ("int4", "concat", None),
+    "tiny-llama-mixed": ("int4", "concat", "gqa-shared"),
+    "tiny-llama-std": ("int4", "concat-standard", None),
 }
 
 
@@ -33,11 +36,12 @@ def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_tiny_model("llama", Path(tmp) / "llama", seed=0)
-        for name, (draft_precision, graph) in PAIRS.items():
+        for name, (draft_precision, graph, draft_graph) in PAIRS.items():
             if (out / name / "specedge.json").is_file():
                 continue
             export_pair(ExportOptions(target=str(hf), output=out / name,
-                                      draft_precision=draft_precision, graph=graph, force=True))
+                                      draft_precision=draft_precision, graph=graph,
+                                      draft_graph=draft_graph, force=True))
             print(f"wrote {out / name}")
         # A calibrated static-int8 target (for the torch-free runtime tests of quantized pairs).
         quantized = out / "tiny-llama-int8static"

@@ -25,7 +25,7 @@ def _kv(cache: object, n: int) -> list[np.ndarray]:
     return [cache.host[i, 0, :, :n] for i in range(cache.host.shape[0])]  # type: ignore
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-concat"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-concat", "tiny-llama-mixed"])
 def test_the_draft_holds_the_targets_prompt_keys_and_values(fixtures_dir: Path,
                                                             name: str) -> None:
     pair = Pair.load(fixtures_dir / name)
@@ -54,7 +54,8 @@ def test_only_a_self_draft_shares(tiny_pair: Pair) -> None:
     assert not self_draft(replace(target, source={}), replace(draft, source={}))
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-concat", "tiny-llama-int8static"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-concat", "tiny-llama-mixed",
+                                  "tiny-llama-int8static"])
 def test_shared_prompt_keys_and_values_change_no_token(fixtures_dir: Path, name: str) -> None:
     """Greedy and seeded, model and hybrid drafting, cold and with a reused prefix: the output
     equals target-only decoding whether the draft prefills or takes the target's prompt."""
@@ -73,10 +74,34 @@ def test_shared_prompt_keys_and_values_change_no_token(fixtures_dir: Path, name:
                 assert again.tokens == want and again.stats.cached_tokens > 0
 
 
-def test_batches_share_the_prompt_and_change_no_token(concat_dir: Path) -> None:
+def test_a_prompt_crosses_graph_forms(fixtures_dir: Path) -> None:
+    """A concat-form cache and a gqa-shared one of the same model hold a position alike (CPU):
+    copied either way, the next token's logits are those of the receiving model's own prefill
+    (tiny-llama's and tiny-llama-concat's targets are one model in the two forms)."""
+    gqa = Pair.load(fixtures_dir / "tiny-llama").target
+    concat = Pair.load(fixtures_dir / "tiny-llama-concat").target
+    ids = Pair.load(fixtures_dir / "tiny-llama").encode_prompt(LONG)
+    for source, receiver in ((concat, gqa), (gqa, concat)):
+        given, own = source.new_cache(1, len(ids) + 4), receiver.new_cache(1, len(ids) + 4)
+        feed(source, given, ids[:-1])
+        feed(receiver, own, ids[:-1])
+        copied = receiver.new_cache(1, len(ids) + 4)
+        assert copied.same_layout(given)
+        copied.copy_from(given, 0, len(ids) - 1)
+        assert copied.fed[0, :len(ids) - 1].tolist() == ids[:-1]
+        np.testing.assert_allclose(receiver.forward(copied, np.array([ids[-1:]])),
+                                   receiver.forward(own, np.array([ids[-1:]])), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-concat", "tiny-llama-mixed"])
+def test_batches_share_the_prompt_and_change_no_token(fixtures_dir: Path, name: str) -> None:
     """Rows joining a batch (and a continuous batch, with a prefill budget) take the target's
-    prompt into their draft rows; every row equals its batch-1 target-only run."""
+    prompt into their draft rows, whether the draft is in the target's graph form or
+    gqa-shared (`models/smollm2-135m-concat.sh`); every row equals its batch-1 target-only
+    run."""
     from specedge.runtime.serving import ContinuousBatch
+
+    concat_dir = fixtures_dir / name
 
     prompts = [LONG, "Hello there", LONG[:120] + " and more"]
     configs = [GenerationConfig(max_new_tokens=24, drafter="model", num_draft_tokens=3,
@@ -102,8 +127,9 @@ def test_batches_share_the_prompt_and_change_no_token(concat_dir: Path) -> None:
             t_cache, d_cache = server.decoder.t_cache, server.decoder.d_cache
             for row in joined:
                 n = row.prompt_len
-                np.testing.assert_array_equal(d_cache.host[:, row.index, :, :n],
-                                              t_cache.host[:, row.index, :, :n])
+                for i in range(2 * pair.target.spec.num_layers):
+                    np.testing.assert_array_equal(d_cache.cpu_layer(i)[row.index, :, :n],
+                                                  t_cache.cpu_layer(i)[row.index, :, :n])
         served = server.run()
         assert [served[r].tokens for r in rids] == want, shares
 
