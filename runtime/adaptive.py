@@ -24,11 +24,13 @@ class AdaptiveK:
     tokens per round, at a cost of k * draft_step + verify(k + 1); k = 0 is plain target
     decoding, cost verify(1).
 
-    - a(i) = (hits_i + shrink * a(i-1)) / (reached_i + shrink), from counts that decay by
-      `accept_decay` per observation (about 50 rounds: fewer made a 0.6 acceptance read as 0.4
-      and switch drafting off): a deep position seen in a few rounds stays near its shallower
-      neighbour instead of following two unlucky probes (which kept k at 3 where the drafts
-      accept 97% at every depth), and one seen often follows its own counts.
+    - a(i) = (hits_i + shrink * a(i-1)) / (reached_i + shrink), a(0) = `prior`, from counts
+      that decay by `accept_decay` per observation (about 50 rounds: fewer made a 0.6
+      acceptance read as 0.4 and switch drafting off): a position seen in a few rounds stays
+      near its shallower neighbour (position 1 near the prior) instead of following two
+      unlucky probes (which kept k at 3 where the drafts accept 97% at every depth; and one
+      rejected draft in a server's 8-token warm-up read as acceptance 0 and kept drafting off
+      for every request after it), and one seen often follows its own counts.
     - verify(s) and the draft step come from `costs.CostTable`s keyed by the tokens a call
       feeds (live rows x positions), so a batch whose rows finish at different times compares
       its plain and drafting rounds at the rows it has now (`rows`).
@@ -216,14 +218,10 @@ class AdaptiveK:
         self.k = self.choose()
 
     def _estimate_acceptance(self) -> None:
-        prev = self.prior
+        prev = self.prior  # a(0): position 1 shrinks toward the prior, as deeper ones do
         for i in range(1, self.k_max + 1):
             n, h = self.reached[i], self.hits[i]
-            if i == 1:
-                est = h / n if n > 0 else self.prior
-            else:
-                est = (h + self.shrink * prev) / (n + self.shrink)
-            self.accept[i] = prev = est
+            self.accept[i] = prev = (h + self.shrink * prev) / (n + self.shrink)
 
     def verify_cost(self, s: int) -> float | None:
         """verify(s) for the current rows: measured where measured enough, else the line."""
