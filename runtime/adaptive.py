@@ -60,6 +60,7 @@ class AdaptiveK:
 
     MIN_COST_SAMPLES = 3.0
     MAX_PROBE_CATCH_UP = 8
+    JOIN_PROBE_AT = 4  # rounds into a joining row that a due probe runs (`draft_fed`)
     PROBE_SHARE = 0.02  # an unfruitful probe may cost this share of the rounds till the next
     MAX_COSTLY_PROBE_EVERY = 4096
     MIN_GAIN = 0.03  # drafting is chosen over plain decoding only when predicted this much faster
@@ -148,6 +149,19 @@ class AdaptiveK:
             self.next_probe = min(self.next_probe, self.rounds)
         if self.draft_step is not None:
             self.k = self.choose()
+
+    def draft_fed(self) -> None:
+        """A row joined, alone, with its draft fed up to its prompt (continuous batching, whose
+        rows join at any round and start no text: `new_text`): at k = 0 a probe due within the next
+        interval runs a few rounds into the row (`JOIN_PROBE_AT`), while its catch-up is cheap;
+        later its draft lags and a probe up from k = 0 is skipped (`MAX_PROBE_CATCH_UP`).
+        Without this a server's probes fell mid-request, were all skipped, and a tuner at k = 0
+        stayed there for every request after. Not at the row's first round: the first token of
+        a reply is where a draft most often disagrees (a chat prompt's opening word), and one
+        such probe per request kept a server's acceptance estimate low."""
+        if self.k == 0 and self.next_probe <= self.rounds + self.interval:
+            self.next_probe = min(self.next_probe, self.rounds + self.JOIN_PROBE_AT) \
+                if self.next_probe > self.rounds else self.rounds + self.JOIN_PROBE_AT
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new

@@ -252,6 +252,8 @@ class RowJoins:
             row.draft_fed = list(row.tokens[:-1])
             row.draft_stable = len(row.draft_fed)
             row.draft_prefilled = True
+            if self.tuner is not None and all(r is row for r in self.live):
+                self.tuner.draft_fed()  # alone: a probe can run while its catch-up is cheap
             return True
         if self.tuner is not None and self.tuner.k == 0:
             self.d_cache.lengths[slot] = 0

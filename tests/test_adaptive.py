@@ -424,3 +424,27 @@ def test_one_rejected_draft_does_not_turn_drafting_off() -> None:
             break
         tuner.update(0, 0, 0.0, 0, verify[1])
     assert tuner.k > 0
+
+
+def test_a_row_that_joins_with_its_draft_fed_gets_a_due_probe() -> None:
+    """Regression (`specedge serve`, continuous batching): at k = 0 the draft is not fed, so a
+    probe that falls mid-request is skipped; a server's requests start no text, and its probes
+    all fell mid-request, so a tuner at k = 0 never drafted again. A row that joins with its
+    draft fed (the target's prompt copied) pulls a probe due within the interval to its first
+    round; a busy batch whose other rows lag still skips it."""
+    for others_lag in (False, True):
+        tuner = AdaptiveK(4, probe_every=64, max_probe_every=64)
+        tuner.update(2, 0, 2 * 0.9, 2, 1.3)  # drafting does not pay: k -> 0
+        lag = AdaptiveK.MAX_PROBE_CATCH_UP
+        for _ in range(4):  # mid-request: the draft lags, no probe
+            lag += 1
+            tuner.update(tuner.k, 0, 0.0, 0, 1.0, catch_up=lag)
+        assert tuner.k == 0
+        tuner.draft_fed()  # a new request's row joins, its draft holding its prompt
+        probed = False
+        for joined in range(AdaptiveK.JOIN_PROBE_AT):  # a few rounds into the row
+            tuner.update(0, 0, 0.0, 0, 1.0, catch_up=lag + 1 if others_lag else joined + 1)
+            probed |= tuner.probing and tuner.k == 1
+            if probed:
+                break
+        assert probed is not others_lag
