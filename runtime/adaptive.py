@@ -27,10 +27,13 @@ class AdaptiveK:
     - a(i) = (hits_i + shrink * a(i-1)) / (reached_i + shrink), a(0) = `prior`, from counts
       that decay by `accept_decay` per observation (about 50 rounds: fewer made a 0.6
       acceptance read as 0.4 and switch drafting off): a position seen in a few rounds stays
-      near its shallower neighbour (position 1 near the prior) instead of following two
-      unlucky probes (which kept k at 3 where the drafts accept 97% at every depth; and one
-      rejected draft in a server's 8-token warm-up read as acceptance 0 and kept drafting off
-      for every request after it), and one seen often follows its own counts.
+      near its shallower neighbour instead of following two unlucky probes (which kept k at 3
+      where the drafts accept 97% at every depth), and one seen often follows its own counts.
+      Position 1 takes the larger of its own rate and its rate shrunk toward the prior:
+      drafting measures acceptance and k = 0 does not, so a pessimistic estimate stays while
+      an optimistic one is corrected by the rounds it drafts (one rejected draft in a server's
+      8-token warm-up read as acceptance 0 and kept drafting off for every request after it;
+      shrinking a lucky first round's 2 of 2 down kept a cold generation at k = 0).
     - verify(s) and the draft step come from `costs.CostTable`s keyed by the tokens a call
       feeds (live rows x positions), so a batch whose rows finish at different times compares
       its plain and drafting rounds at the rows it has now (`rows`).
@@ -232,10 +235,13 @@ class AdaptiveK:
         self.k = self.choose()
 
     def _estimate_acceptance(self) -> None:
-        prev = self.prior  # a(0): position 1 shrinks toward the prior, as deeper ones do
+        prev = self.prior  # a(0)
         for i in range(1, self.k_max + 1):
             n, h = self.reached[i], self.hits[i]
-            self.accept[i] = prev = (h + self.shrink * prev) / (n + self.shrink)
+            est = (h + self.shrink * prev) / (n + self.shrink)
+            if i == 1 and n > 0:  # optimistic where few rounds were seen: see the docstring
+                est = max(est, h / n)
+            self.accept[i] = prev = est
 
     def verify_cost(self, s: int) -> float | None:
         """verify(s) for the current rows: measured where measured enough, else the line."""

@@ -105,7 +105,7 @@ def test_a_new_text_keeps_the_costs_and_discounts_the_acceptance() -> None:
     tuner.new_text()
     assert tuner.verify == verify and tuner.draft_step == draft
     for _ in range(14):  # a text it does not know: nothing accepted (position 1's estimate
-        k = tuner.k     # shrinks toward the prior: one round more than its raw rate took)
+        k = tuner.k     # is held up by the prior: one round more than its raw rate took)
         tuner.update(k, 0, 0.4 * k, k, verify_cost(k + 1))
     assert tuner.k <= 1
 
@@ -414,7 +414,7 @@ def test_one_rejected_draft_does_not_turn_drafting_off() -> None:
     """Regression (`specedge serve` on the concat recipe): the 8-token warm-up's one drafting
     round had its two drafts rejected, position 1 read as acceptance 0 from that single
     observation, and the server never drafted again (0 drafts in every request after it).
-    Position 1 now shrinks toward the prior as deeper positions shrink toward theirs."""
+    Position 1 now takes the larger of its own rate and its rate shrunk toward the prior."""
     tuner = AdaptiveK(3)  # starts at k = 2
     draft, verify = 0.0088, {1: 0.0261, 2: 0.0263, 3: 0.0285}  # the server's measured costs
     tuner.update(2, 0, 2 * draft, 2, verify[3])  # the warm-up's drafting round: both rejected
