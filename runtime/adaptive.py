@@ -39,7 +39,8 @@ class AdaptiveK:
       its plain and drafting rounds at the rows it has now (`rows`).
     - verify(1), plain decoding, is measured first: the round after the first drafting round
       runs at k = 0 (one target-only round, never slower than plain decoding). Drafting is
-      chosen only when predicted `MIN_GAIN` (3%) faster than k = 0.
+      chosen only when predicted `MIN_GAIN` (3%) faster than k = 0; until the draft step
+      was read `TRUST_READINGS` times, k = 0 re-reads `k_start` at once (cold rounds read slow).
     - Every `probe_every` rounds a neighbouring k is tried so that the costs and acceptances it
       relies on stay measured; a probe that does not change the choice doubles the interval (up
       to `max_probe_every`), because a probe is not free. A probe up from k = 0 is skipped when
@@ -62,6 +63,7 @@ class AdaptiveK:
     """
 
     MIN_COST_SAMPLES = 3.0
+    TRUST_READINGS = 2  # draft-step readings before drafting may be turned off
     MAX_PROBE_CATCH_UP = 8
     JOIN_PROBE_AT = 4  # rounds into a joining row that a due probe runs (`draft_fed`)
     PROBE_SHARE = 0.02  # an unfruitful probe may cost this share of the rounds till the next
@@ -73,7 +75,7 @@ class AdaptiveK:
                  probe_every: int = 16,
                  max_probe_every: int = 256, draft_step: float | None = None) -> None:
         self.k_max = k_max
-        self.k = min(k_start, k_max)
+        self.k = self.k_start = min(k_start, k_max)
         self.decay, self.accept_decay = decay, accept_decay
         self.shrink, self.prior = shrink, prior
         self.hits = [0.0] * (k_max + 1)  # decayed "accepted" counts per draft position (1-based)
@@ -317,12 +319,21 @@ class AdaptiveK:
             self._probe_cost = 0.0
             self.next_probe = self.rounds + self.interval
             self._best_at_probe = None
+        retry = (best == 0 and self.draft.fixed is None and not catch_up
+                 and self.draft.clock < self.TRUST_READINGS)
+        if retry:
+            # One drafting round does not turn drafting off: it is re-read now, while the
+            # draft's catch-up is cheap. A cold process's first rounds read slow (the fast
+            # pair's draft step 12.5 ms, verify(3) 29 ms; warm 9 and 23), and once at k = 0
+            # the draft lags and every probe is skipped: a cold `specedge generate` ran
+            # target-only to the end in 1 of 14 runs.
+            self.next_probe = min(self.next_probe, self.rounds)
         self.probing = False
         if self.rounds >= self.next_probe:
             # Probe a neighbour so the costs and acceptances it relies on stay measured.
             self._probes += 1
             step = 1 if self._probes % 2 or best == 0 else -1
-            probe = max(0, min(self.k_max, best + step))
+            probe = self.k_start if retry else max(0, min(self.k_max, best + step))
             if best == 0 and self.catch_up > self.MAX_PROBE_CATCH_UP:
                 probe = best  # the catch-up would cost more than the probe can tell
             if probe != best:

@@ -36,6 +36,13 @@ def verify_cost(s: int) -> float:
     return 1.0 + 0.055 * (s - 1)
 
 
+def read_drafting_twice(tuner: AdaptiveK, draft_step: float = 0.9, verify: float = 1.3) -> None:
+    """Two drafting rounds at k = 2 with both drafts rejected: drafting does not pay, read often
+    enough to be believed (`AdaptiveK.TRUST_READINGS`)."""
+    for _ in range(AdaptiveK.TRUST_READINGS):
+        tuner.update(2, 0, 2 * draft_step, 2, verify)
+
+
 def exact_rate(acc: list[float], k: int, draft: float, verify: Callable[[int], float]) -> float:
     tokens, reach = 1.0, 1.0
     for i in range(k):
@@ -147,7 +154,7 @@ def test_a_probe_from_plain_decoding_waits_for_a_cheap_catch_up() -> None:
     since (0.37 s at batch 8 late in a 64-token generation). Such a probe is skipped, and a new
     generation, whose draft starts from its prefill, probes at once."""
     tuner = AdaptiveK(4, probe_every=4, max_probe_every=4)
-    tuner.update(2, 0, 2 * 0.9, 2, 1.3)  # drafting does not pay: k -> 0
+    read_drafting_twice(tuner)  # drafting does not pay: k -> 0
     lag = AdaptiveK.MAX_PROBE_CATCH_UP
     for _ in range(20):
         lag += 1
@@ -156,7 +163,7 @@ def test_a_probe_from_plain_decoding_waits_for_a_cheap_catch_up() -> None:
     tuner.new_text()
     assert tuner.k == 1 and tuner.probing  # the new text's first round probes
     near = AdaptiveK(4, probe_every=4, max_probe_every=4)
-    near.update(2, 0, 2 * 0.9, 2, 1.3)
+    read_drafting_twice(near)
     ks = []
     for _ in range(12):
         near.update(near.k, 0, near.k * 0.9, near.k, 1.0 + 0.1 * near.k, catch_up=2)
@@ -196,7 +203,7 @@ def test_a_new_text_pulls_forward_only_the_probes_due_during_it() -> None:
     doubling interval still spaces probes out when drafting keeps losing (at batch 8 on a CPU
     a probe round costs about three plain rounds)."""
     tuner = AdaptiveK(4, probe_every=8, max_probe_every=256)
-    tuner.update(2, 0, 2 * 0.9, 2, 1.3)  # drafting does not pay: k -> 0
+    read_drafting_twice(tuner)  # drafting does not pay: k -> 0
     probes = []
     for text in range(12):
         if text:
@@ -216,7 +223,7 @@ def test_a_dear_probe_waits_until_it_costs_a_small_share() -> None:
     between: at batch 8 on a CPU a generation's first-round probe also prefilled the draft
     for 8 prompts (14 plain rounds of time), and it ran at every other generation."""
     tuner = AdaptiveK(4)
-    tuner.update(2, 0, 2 * 0.9, 2, 1.3)  # drafting does not pay: k -> 0
+    read_drafting_twice(tuner)  # drafting does not pay: k -> 0
     for _ in range(20):
         tuner.update(0, 0, 0.0, 0, 1.0, catch_up=20)
     tuner.new_text()
@@ -227,7 +234,7 @@ def test_a_dear_probe_waits_until_it_costs_a_small_share() -> None:
     cost = 14.0 + 0.9 + 1.1 - 1.0
     assert tuner.interval >= cost / (AdaptiveK.PROBE_SHARE * 1.0) - 1
     cheap = AdaptiveK(4)  # the same probe without the prefill: the doubling interval only
-    cheap.update(2, 0, 2 * 0.9, 2, 1.3)
+    read_drafting_twice(cheap)
     for _ in range(20):
         cheap.update(0, 0, 0.0, 0, 1.0, catch_up=20)
     cheap.new_text()
@@ -371,7 +378,8 @@ def test_a_probe_that_would_prefill_every_row_waits_for_its_share() -> None:
 
     def tuner_at_plain(prefill_s: float) -> AdaptiveK:
         tuner = AdaptiveK(4)
-        tuner.update_batch(2, [(2, 0)] * 8, 2 * 0.02, 2, 0.04, rows=8)  # drafting loses
+        for _ in range(AdaptiveK.TRUST_READINGS):  # drafting loses
+            tuner.update_batch(2, [(2, 0)] * 8, 2 * 0.02, 2, 0.04, rows=8)
         for _ in range(60):
             tuner.update_batch(0, [(0, 0)] * 8, 0.0, 0, 0.03, rows=8)
         tuner.record_feed(40, prefill_s)
@@ -434,7 +442,7 @@ def test_a_row_that_joins_with_its_draft_fed_gets_a_due_probe() -> None:
     round; a busy batch whose other rows lag still skips it."""
     for others_lag in (False, True):
         tuner = AdaptiveK(4, probe_every=64, max_probe_every=64)
-        tuner.update(2, 0, 2 * 0.9, 2, 1.3)  # drafting does not pay: k -> 0
+        read_drafting_twice(tuner)  # drafting does not pay: k -> 0
         lag = AdaptiveK.MAX_PROBE_CATCH_UP
         for _ in range(4):  # mid-request: the draft lags, no probe
             lag += 1
@@ -448,3 +456,37 @@ def test_a_row_that_joins_with_its_draft_fed_gets_a_due_probe() -> None:
             if probed:
                 break
         assert probed is not others_lag
+
+
+def test_a_cold_first_round_does_not_turn_drafting_off_for_the_text() -> None:
+    """Regression (a cold `specedge generate` on the fast pair ran target-only to the end in 1
+    of 14 runs, 62 rounds with 2 drafts): its first round read the draft step at 12.5 ms and
+    verify(3) at 29.3 ms, 2.5x and 1.5x their warm costs, so after one plain round k = 0 won,
+    the draft lagged, and every probe was skipped. Drafting now stops only after a second
+    reading of the draft step; with warm costs it goes on drafting."""
+    tuner = AdaptiveK(8)  # starts at k = 2
+    tuner.update(2, 2, 2 * 0.0125, 2, 0.0293, catch_up=1)  # the logged cold round
+    assert tuner.k == 0  # plain decoding is measured first
+    tuner.update(0, 0, 0.0, 0, 0.0177, catch_up=2)
+    assert tuner.k > 0
+    rng = random.Random(0)
+    drafted = 0
+    for _ in range(40):  # warm costs: draft step 5 ms, verify(s) 16.5 + 1.2 ms per position
+        k = tuner.k
+        accepted = 0
+        while accepted < k and rng.random() < 0.8:
+            accepted += 1
+        tuner.update(k, accepted, k * 0.005, k, 0.0165 + 0.0012 * k, catch_up=0 if k else 1)
+        drafted += k > 0
+    assert drafted >= 38
+
+
+def test_drafting_that_does_not_pay_stops_after_its_second_reading() -> None:
+    """The other side: a draft step read dear twice turns drafting off (`TRUST_READINGS`)."""
+    tuner = AdaptiveK(8)
+    tuner.update(2, 1, 2 * 0.02, 2, 0.03, catch_up=1)
+    tuner.update(0, 0, 0.0, 0, 0.017, catch_up=2)
+    k = tuner.k
+    assert k > 0
+    tuner.update(k, 0, k * 0.02, k, 0.017 + 0.0012 * k, catch_up=1)
+    assert tuner.k == 0
