@@ -21,8 +21,10 @@ class AdaptiveK:
     Model: position i of a round is reached only if drafts 1..i-1 were accepted; a(i) estimates
     "accepted, given reached" at position i (acceptance is not independent across positions, so
     one global rate mispredicts). k drafts then emit E(k) = 1 + sum_{j<=k} prod_{i<=j} a(i)
-    tokens per round, at a cost of k * draft_step + verify(k + 1); k = 0 is plain target
-    decoding, cost verify(1).
+    tokens per round, at a cost of first + (k - 1) * draft_step + verify(k + 1); k = 0 is plain
+    target decoding, cost verify(1). `first` is the round's first draft call, which feeds what
+    the target committed since the draft's last call (`first_width` tokens a row: 2 after a
+    full accept, 1 after a rejection), `draft_step` a one-token call.
 
     - a(i) = (hits_i + shrink * a(i-1)) / (reached_i + shrink), a(0) = `prior`, from counts
       that decay by `accept_decay` per observation (about 50 rounds: fewer made a 0.6
@@ -34,13 +36,17 @@ class AdaptiveK:
       an optimistic one is corrected by the rounds it drafts (one rejected draft in a server's
       8-token warm-up read as acceptance 0 and kept drafting off for every request after it;
       shrinking a lucky first round's 2 of 2 down kept a cold generation at k = 0).
-    - verify(s) and the draft step come from `costs.CostTable`s keyed by the tokens a call
+    - verify(s) and the draft calls come from `costs.CostTable`s keyed by the tokens a call
       feeds (live rows x positions), so a batch whose rows finish at different times compares
-      its plain and drafting rounds at the rows it has now (`rows`).
+      its plain and drafting rounds at the rows it has now (`rows`), and a first draft call
+      that feeds two tokens a row is priced as such: a gqa-shared draft in a batch runs it as
+      two one-token calls (GroupQueryAttention), and priced as one step it made k = 1 look 2x
+      cheaper than it was (the batching server drafted at 3-4 rows where it lost).
     - verify(1), plain decoding, is measured first: the round after the first drafting round
       runs at k = 0 (one target-only round, never slower than plain decoding). Drafting is
-      chosen only when predicted `MIN_GAIN` (3%) faster than k = 0; until the draft step
-      was read `TRUST_READINGS` times, k = 0 re-reads `k_start` at once (cold rounds read slow).
+      chosen only when predicted `MIN_GAIN` (3%) faster than k = 0; until the draft calls
+      were read in `TRUST_READINGS` rounds, k = 0 re-reads `k_start` at once (cold rounds read
+      slow).
     - Every `probe_every` rounds a neighbouring k is tried so that the costs and acceptances it
       relies on stay measured; a probe that does not change the choice doubles the interval (up
       to `max_probe_every`), because a probe is not free. A probe up from k = 0 is skipped when
@@ -63,7 +69,7 @@ class AdaptiveK:
     """
 
     MIN_COST_SAMPLES = 3.0
-    TRUST_READINGS = 2  # draft-step readings before drafting may be turned off
+    TRUST_READINGS = 2  # rounds whose draft calls were read before drafting may turn off
     MAX_PROBE_CATCH_UP = 8
     JOIN_PROBE_AT = 4  # rounds into a joining row that a due probe runs (`draft_fed`)
     PROBE_SHARE = 0.02  # an unfruitful probe may cost this share of the rounds till the next
@@ -81,9 +87,14 @@ class AdaptiveK:
         self.hits = [0.0] * (k_max + 1)  # decayed "accepted" counts per draft position (1-based)
         self.reached = [0.0] * (k_max + 1)  # decayed "reached" counts per position
         self.accept = [prior] * (k_max + 1)  # a(i), derived from the counts
-        # Seconds of a draft step by rows drafting (fixed 0 for free drafts), and of a target
-        # call by tokens verified (rows x positions).
+        # Seconds of a draft call by tokens fed (rows x width; fixed 0 for free drafts), and of
+        # a target call by tokens verified (rows x positions).
         self.draft = CostTable(decay, self.MIN_COST_SAMPLES, fixed=draft_step)
+        # Tokens a row that a round's first draft call feeds after a drafting round (moving
+        # average; after k = 0 rounds it also feeds their tokens, a one-off catch-up).
+        self.first_width: float | None = None
+        self._drafted = False  # the last round drafted
+        self.draft_rounds = 0  # rounds whose draft calls were measured
         self.verify = CostTable(decay, self.MIN_COST_SAMPLES)
         self.rows = 1  # live rows of the next round
         self.rounds = 0
@@ -184,16 +195,27 @@ class AdaptiveK:
             self.feeds.record(tokens, seconds)
 
     def update(self, k: int, accepted: int, draft_step_s: float, draft_step_calls: int,
-               verify_s: float, catch_up: int = 0) -> None:
+               verify_s: float, catch_up: int = 0,
+               first_call: tuple[int, int, float] | None = None) -> None:
         """Record one round: k proposed, `accepted` of them accepted, and its costs;
-        `catch_up`: tokens the draft would feed before drafting in the next round."""
+        `catch_up`: tokens the draft would feed before drafting in the next round;
+        `first_call`: see `update_batch`."""
         self.update_batch(k, [(k, accepted)], draft_step_s, draft_step_calls, verify_s,
-                          catch_up)
+                          catch_up, first_call=first_call)
 
     @property
     def draft_step(self) -> float | None:
-        """Seconds per drafted position at the current rows (None: not measured yet)."""
+        """Seconds of a one-token draft call at the current rows (None: not measured yet)."""
         return self.draft.cost(self.rows)
+
+    def draft_cost(self, k: int) -> float | None:
+        """Seconds of a round's k draft calls at the current rows: the first feeds
+        `first_width` tokens a row, the others one (None: not measured yet)."""
+        step = self.draft_step
+        if k == 0 or step is None:
+            return 0.0 if k == 0 else None
+        first = self.draft.cost(max(self.rows, round(self.rows * (self.first_width or 1.0))))
+        return (step if first is None else first) + (k - 1) * step
 
     def record_verify(self, size: int, verify_s: float, rows: int = 1) -> None:
         """Record only the cost of verifying `size` positions for `rows` rows (a round whose k
@@ -203,7 +225,8 @@ class AdaptiveK:
     def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
                      draft_step_calls: int, verify_s: float, catch_up: int = 0,
                      catch_up_s: float = 0.0, catch_up_tokens: int | None = None,
-                     rows: int | None = None, next_rows: int | None = None) -> None:
+                     rows: int | None = None, next_rows: int | None = None,
+                     first_call: tuple[int, int, float] | None = None) -> None:
         """Record one batched round: (proposed, accepted) per row, and the round's costs.
 
         The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
@@ -211,7 +234,10 @@ class AdaptiveK:
         `catch_up_tokens`: what a separate catch-up call would feed, rows x width (default
         `catch_up`); `catch_up_s`: seconds of a separate catch-up call before this round's
         drafts; `rows`: the rows the round fed (default: one per outcome); `next_rows`: the
-        rows the next round will feed (default `rows`), at whose costs its k is chosen.
+        rows the next round will feed (default `rows`), at whose costs its k is chosen;
+        `first_call`: (rows, width, seconds) of the round's first draft call, when the caller
+        keeps it apart (`draft_step_s` and `draft_step_calls` are then the one-token calls
+        after it; without it every drafting call counts as a one-token step).
         """
         rows = rows or len(outcomes)
         self.rounds += 1
@@ -223,17 +249,26 @@ class AdaptiveK:
         if self.probing:  # what the probe cost beyond a plain round
             plain = self.verify_cost(1)
             self._probe_cost += catch_up_s + max(
-                0.0, draft_step_s + verify_s - (plain if plain is not None else verify_s))
+                0.0, draft_step_s + (first_call[2] if first_call else 0.0) + verify_s
+                - (plain if plain is not None else verify_s))
         for proposed, accepted in outcomes:
             self._observed |= proposed > 0
             for i in range(1, min(proposed, accepted + 1) + 1):
                 self.reached[i] = self.accept_decay * self.reached[i] + 1.0
                 self.hits[i] = self.accept_decay * self.hits[i] + (i <= accepted)
         self._estimate_acceptance()
+        self.draft_rounds += bool(first_call or draft_step_calls)
+        if first_call is not None:
+            call_rows, width, seconds = first_call
+            self.draft.record(call_rows * width, seconds)
+            if self._drafted:
+                self.first_width = width if self.first_width is None \
+                    else 0.9 * self.first_width + 0.1 * width
         if draft_step_calls:
             self.draft.record(rows, draft_step_s / draft_step_calls)
         self.record_verify(k + 1, verify_s, rows)
         self.rows = next_rows or rows
+        self._drafted = k > 0
         self.k = self.choose()
 
     def _estimate_acceptance(self) -> None:
@@ -260,9 +295,10 @@ class AdaptiveK:
     def expected_rate(self, k: int) -> float | None:
         """Predicted tokens per second at draft length k."""
         verify = self.verify_cost(k + 1)
-        if verify is None or (k > 0 and self.draft_step is None):
+        drafting = self.draft_cost(k)
+        if verify is None or drafting is None:
             return None
-        return self.expected_tokens(k) / (k * (self.draft_step or 0.0) + verify)
+        return self.expected_tokens(k) / (drafting + verify)
 
     def _catch_up_cost(self) -> float:
         """Seconds of feeding the draft before it can draft again: the rows' deferred draft
@@ -320,7 +356,7 @@ class AdaptiveK:
             self.next_probe = self.rounds + self.interval
             self._best_at_probe = None
         retry = (best == 0 and self.draft.fixed is None and not catch_up
-                 and self.draft.clock < self.TRUST_READINGS)
+                 and self.draft_rounds < self.TRUST_READINGS)
         if retry:
             # One drafting round does not turn drafting off: it is re-read now, while the
             # draft's catch-up is cheap. A cold process's first rounds read slow (the fast

@@ -37,7 +37,7 @@ import numpy as np
 
 from .adaptive import AdaptiveK, new_tuner
 from .backend import OrtModel
-from .batch_calls import draft_rows, ragged_verify
+from .batch_calls import DraftCall, draft_rows, ragged_verify
 from .batch_join import BatchRow as BatchRow
 from .batch_join import BatchStats as BatchStats
 from .batch_join import Joining, RowJoins
@@ -114,11 +114,11 @@ class BatchDecoder(RowJoins):
         return seconds
 
     def _propose(self, live: list[BatchRow], k: int
-                 ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], float, set[int],
-                            float]:
+                 ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], list[DraftCall],
+                            set[int], float]:
         """Drafts per live row (n-gram hits, then the draft model for the rest), their draft
-        probabilities (random sampling with the model), the drafting calls' seconds, the
-        model-drafted rows and the seconds of a catch-up call before them (`_catch_up`)."""
+        probabilities (random sampling with the model), the drafting calls, the model-drafted
+        rows and the seconds of a catch-up call before them (`_catch_up`)."""
         budgets = {r.index: draft_budget(self.plan, k, r.output, len(r.tokens), self.limit)
                    for r in live}
         ks = {i: own for i, (own, _) in budgets.items()}
@@ -133,12 +133,12 @@ class BatchDecoder(RowJoins):
             elif ks[row.index]:
                 model_rows.append(row)
         if not model_rows or self.draft is None:
-            return drafts, {}, 0.0, set(), 0.0
+            return drafts, {}, [], set(), 0.0
         catch_up = self._catch_up(model_rows)
-        model, probs, seconds = draft_rows(self.draft, self.d_cache, model_rows, ks, self.compact,
+        model, probs, calls = draft_rows(self.draft, self.d_cache, model_rows, ks, self.compact,
                                        self.plan.draft_p_min)
         drafts.update(model)
-        return drafts, probs, seconds, {r.index for r in model_rows}, catch_up
+        return drafts, probs, calls, {r.index for r in model_rows}, catch_up
 
     def step(self) -> list[BatchRow]:
         """One round for every live row; returns the rows that finished in it (and rows whose
@@ -160,8 +160,9 @@ class BatchDecoder(RowJoins):
             return finished
         t_start = time.perf_counter()
         fed = live if self.compact else [r for r in self.slots if r is not None]
-        drafts, probs, draft_s, model_rows, catch_up_s = self._propose(
+        drafts, probs, calls, model_rows, catch_up_s = self._propose(
             live, self.tuner.k if self.tuner else self.plan.k)
+        draft_s = sum(c.seconds for c in calls)
         k_round = max(len(d) for d in drafts.values())
         t1 = time.perf_counter()
         blocks = [[r.tokens[-1], *drafts[r.index]] if r.reason is None else [0] for r in fed]
@@ -225,13 +226,16 @@ class BatchDecoder(RowJoins):
         totals.verify_s += verify_s
         totals.decode_s += time.perf_counter() - t_start
         if self.tuner is not None and tuned:
-            # Cost per drafted position of the round: the model's drafting calls (a long
-            # catch-up ran apart, `_catch_up`), or nothing for n-gram drafts, which are free.
+            # The round's draft calls: the first (what the rows committed since, and a short
+            # catch-up; a long one ran apart, `_catch_up`) and the one-token steps after it, or
+            # nothing for n-gram drafts, which are free.
             lags = [_lag(r) for r in live] if self.d_cache is not None else [-1]
+            steps = [c.seconds for c in calls[1:] if c.width == 1]
             self.tuner.update_batch(
-                k_round, tuned, draft_s, k_round, verify_s, max(lags) + 1, catch_up_s,
-                catch_up_tokens=_catch_up_size(lags),
-                rows=len(fed), next_rows=len(self.live))
+                k_round, tuned, sum(steps) if calls else 0.0, len(steps) if calls else k_round,
+                verify_s, max(lags) + 1, catch_up_s, catch_up_tokens=_catch_up_size(lags),
+                rows=len(fed), next_rows=len(self.live),
+                first_call=(calls[0].rows, calls[0].width, calls[0].seconds) if calls else None)
         elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
             self.tuner.record_verify(k_round + 1, verify_s, len(fed))
         return finished

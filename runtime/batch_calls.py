@@ -8,7 +8,7 @@ whose keys and values are not kept: its length is restored after the call.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -18,11 +18,19 @@ if TYPE_CHECKING:  # types only (batch imports this module)
     from .kvcache import KVCache
 
 
+class DraftCall(NamedTuple):
+    """One draft model call of a batch: rows fed, the widest block, seconds."""
+
+    rows: int
+    width: int
+    seconds: float
+
+
 def draft_rows(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks: dict[int, int],
            compact: bool, p_min: float
-           ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], float]:
+           ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], list[DraftCall]]:
     """Propose ks[row] tokens with the draft model for each of `rows`; returns drafts, draft
-    probabilities (random-sampling rows) and seconds in the draft model.
+    probabilities (random-sampling rows) and the draft model's calls, in order.
 
     With `compact`, a draft call feeds only the rows still drafting; otherwise every row stays
     in the call (the others with a masked dummy token). A row whose draft's confidence falls
@@ -31,7 +39,7 @@ def draft_rows(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks:
     assert cache is not None
     drafts: dict[int, list[int]] = {r.index: [] for r in rows}
     probs: dict[int, list[np.ndarray]] = {r.index: [] for r in rows}
-    seconds = 0.0
+    calls: list[DraftCall] = []
     while True:
         for row in rows:
             mine = drafts[row.index]
@@ -61,7 +69,7 @@ def draft_rows(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks:
         else:
             ids, logits = np.zeros((len(feed_rows), 1), np.int64), ragged(
                 model, cache, feed_rows, blocks, lens)
-        seconds += time.perf_counter() - t0
+        calls.append(DraftCall(len(feed_rows), max(lens), time.perf_counter() - t0))
         sampled_row = np.cumsum(~greedy) - 1  # feed row i -> its row in `logits`
         for i, row in enumerate(feed_rows):
             if lens[i] == 0:
@@ -82,7 +90,7 @@ def draft_rows(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks:
                 probs[row.index].append(p)
             drafts[row.index].append(token)
     stacked = {i: np.stack(p) for i, p in probs.items() if p}
-    return drafts, stacked, seconds
+    return drafts, stacked, calls
 
 
 def ragged_verify(model: OrtModel, cache: KVCache, feed_rows: list[BatchRow],

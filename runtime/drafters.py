@@ -37,8 +37,10 @@ class Proposal:
     probs: np.ndarray | None  # None: no draft distribution needed (greedy, seeded, n-gram)
     seconds: float = 0.0  # time inside the draft model's run calls
     calls: int = 0
-    step_seconds: float = 0.0  # the cost per drafted position that adaptive k models
+    step_seconds: float = 0.0  # one-token calls after the first, which adaptive k models
     step_calls: int = 0  # drafted positions that cost is spread over
+    first_width: int = 0  # tokens the first call fed (0: no call), and its seconds
+    first_seconds: float = 0.0
     free: bool = False  # drafted at no model cost (n-gram lookup)
 
 
@@ -87,8 +89,8 @@ class ModelDrafter:
         pending = tokens[len(self.fed):]
         drafts: list[int] = []
         probs: list[np.ndarray] = []
-        seconds = step_seconds = 0.0
-        step_calls = calls = 0
+        seconds = step_seconds = first_seconds = 0.0
+        step_calls = calls = first_width = 0
         # Greedy without a confidence cut-off needs only the argmax: on a GPU the greedy head
         # takes it on the device (no vocabulary row crosses to the host), on the CPU it skips
         # the softmax that the confidence would cost.
@@ -110,7 +112,9 @@ class ModelDrafter:
                 logits = self.model.forward(self.cache, block)[0, -1]
             spent = time.perf_counter() - t0
             seconds += spent
-            if len(pending) == 1:
+            if calls == 1:  # the tokens committed since the last round, and any catch-up
+                first_width, first_seconds = len(pending), spent
+            elif len(pending) == 1:
                 step_seconds += spent
                 step_calls += 1
             self.fed.extend(pending)
@@ -128,7 +132,7 @@ class ModelDrafter:
             drafts.append(token)
             pending = [token]
         return Proposal(np.asarray(drafts, np.int64), np.stack(probs) if probs else None,
-                        seconds, calls, step_seconds, step_calls)
+                        seconds, calls, step_seconds, step_calls, first_width, first_seconds)
 
     def prefill(self, tokens: list[int]) -> None:
         """Feed all but the last committed token, so the first round drafts at once."""

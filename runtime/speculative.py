@@ -99,7 +99,9 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
                 adaptive.update(len(drafts), accepted,
                                 proposal.step_seconds if proposal else 0.0,
                                 proposal.step_calls if proposal else 0, verify_s,
-                                drafter.catch_up(tokens) if drafter else 0)
+                                drafter.catch_up(tokens) if drafter else 0,
+                                first_call=(1, proposal.first_width, proposal.first_seconds)
+                                if proposal and proposal.first_width else None)
             elif adaptive is not None:
                 adaptive.record_verify(len(drafts) + 1, verify_s)
             kept = output.push(emitted, logits)

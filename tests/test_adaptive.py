@@ -490,3 +490,32 @@ def test_drafting_that_does_not_pay_stops_after_its_second_reading() -> None:
     assert k > 0
     tuner.update(k, 0, k * 0.02, k, 0.017 + 0.0012 * k, catch_up=1)
     assert tuner.k == 0
+
+
+def test_a_first_draft_call_is_priced_at_the_tokens_it_feeds() -> None:
+    """Regression (`specedge serve` under 4 clients on the concat recipe): a drafting round's
+    first draft call feeds what the rows committed since (2 tokens a row after a full accept),
+    which the gqa-shared draft of a batch runs as two one-token calls. Averaged over a round's
+    calls as "the draft step", 4-row rounds read it at about 18 ms ((24 + 12) / 2 at k = 2)
+    where a k = 1 round's draft cost 24 ms, k = 1 was predicted 8% faster than plain rounds
+    where it was 6% slower, and the server drafted at 3-4 rows at a loss. The first call is
+    now priced by its rows x width, the one-token calls after it apart."""
+    verify = {1: 0.032, 2: 0.037, 3: 0.042}  # 4 rows, the server's readings
+    step, first = 0.012, 0.024  # a one-token call over 4 rows; the first call (4 rows x 2)
+    tuner = AdaptiveK(2)
+    rng = random.Random(0)
+    drafting = 0
+    for _ in range(60):
+        k = tuner.k
+        outcomes = [(k, k if rng.random() < 0.8 else 0) for _ in range(4)]
+        if k:
+            tuner.update_batch(k, outcomes, (k - 1) * step, k - 1, verify[k + 1],
+                               catch_up=2, rows=4, first_call=(4, 2, first))
+        else:
+            tuner.update_batch(0, outcomes, 0.0, 0, verify[1], catch_up=1, rows=4)
+        drafting += k > 0 and not tuner.probing
+    cost = tuner.draft_cost(1)
+    assert cost == pytest.approx(first, rel=0.05)
+    rate0, rate1 = tuner.expected_rate(0), tuner.expected_rate(1)
+    assert rate0 is not None and rate1 is not None and rate1 < rate0
+    assert drafting <= 6, drafting

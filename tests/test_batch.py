@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -281,3 +282,36 @@ def test_adaptive_at_k0_defers_the_draft_prefill(concat_pair: Pair) -> None:
     for i, row in zip(ids, rows, strict=True):
         want = concat_pair.generate_ids(i, replace(cfg, drafter="none"))[0]
         assert row.generated == want
+
+
+def test_a_rounds_first_draft_call_reaches_the_tuner_apart(concat_pair: Pair) -> None:
+    """Adaptive K prices a round's first draft call by the tokens it feeds (rows x width: what
+    the rows committed since the draft's last call) and the one-token calls after it apart
+    (`AdaptiveK.draft_cost`): the batch reports each call as fed, and rows stay exact."""
+    from specedge.runtime.adaptive import AdaptiveK
+    from specedge.runtime.batch import RowRequest, decode_batch
+
+    cfg = GenerationConfig(max_new_tokens=16, drafter="model", num_draft_tokens=4,
+                           adaptive=True)
+    plan = concat_pair.plan(cfg)
+    ids = [concat_pair.encode_prompt(p) for p in PROMPTS]
+    tuner = AdaptiveK(4)
+    seen: list[tuple[int, int, tuple[int, int, float] | None]] = []
+    update = tuner.update_batch
+
+    def record(k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
+               draft_step_calls: int, verify_s: float, *args: Any, **kwargs: Any) -> None:
+        seen.append((k, draft_step_calls, kwargs.get("first_call")))
+        update(k, outcomes, draft_step_s, draft_step_calls, verify_s, *args, **kwargs)
+
+    tuner.update_batch = record  # type: ignore[method-assign]
+    rows, _ = decode_batch(concat_pair.target, concat_pair.draft, plan,
+                           [RowRequest(i, concat_pair.new_output(i, cfg)) for i in ids],
+                           max_len=plan.cache_len(max(map(len, ids)), 16), tuner=tuner)
+    drafting = [(k, steps, first) for k, steps, first in seen if k]
+    assert drafting and all(first is not None and steps <= k - 1
+                            for k, steps, first in drafting)
+    assert any(first[1] == 2 for _, _, first in drafting if first)  # after a full accept
+    assert tuner.first_width is not None and 1.0 <= tuner.first_width <= 2.0
+    for i, row in zip(ids, rows, strict=True):
+        assert row.generated == concat_pair.generate_ids(i, replace(cfg, drafter="none"))[0]
