@@ -79,7 +79,14 @@ class BatchEngine:
     def round(self) -> Outcomes:
         """One round of the batch; a failure fails every job (the batch is rebuilt)."""
         try:
-            finished = self.batch.step()
+            self.batch.admit()
+            for p, _ in self.batch.running.values():
+                # A joined row's first token (from its prefill) is streamed now, not after the
+                # round: time to first token was prefill + one round, a drafting one with
+                # speculation (its solo p50 7-20 ms above plain decoding's).
+                if (job := self.jobs.get(p.request_id)) is not None:
+                    job.progress()
+            finished = self.batch.decode()
         except Exception as exc:
             log_failure(exc)
             return [(job, failure(exc)) for job in self.fail_all()]

@@ -151,11 +151,20 @@ class ContinuousBatch:
 
     def step(self) -> list[tuple[int, GenerationResult]]:
         """Admit queued requests into free slots, run one round, return what finished."""
+        self.admit()
+        return self.decode()
+
+    def admit(self) -> None:
+        """Join queued requests into free slots and run their prefill calls (within the
+        budget); a row whose prefill ends has its first token in its output."""
         while self.queue and self.decoder.has_room():
             p = self.queue.popleft()
             row = self.decoder.join(p.request)
             self.running[row.index] = (p, row)
         self.decoder.prefill(self.prefill_budget if self.decoder.live else None)
+
+    def decode(self) -> list[tuple[int, GenerationResult]]:
+        """One round of the running rows; returns what finished."""
         done = []
         for row in self.decoder.step():
             p, _ = self.running.pop(row.index)
