@@ -1,6 +1,6 @@
 """Text given out as it streams, holding back what is not decided yet: the end of a chunk that
 may begin a tag, and whitespace at the ends of a part (`Trimmed`), so that the pieces a stream
-gives out add up to what parsing the whole text gives (`runtime/tool_calls.ToolStream`,
+gives out add up to what parsing the whole text gives (`runtime/tool_stream.ToolStream`,
 `runtime/reasoning.ReasoningStream`)."""
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """A reasoning model's reply split into its thinking and its answer.
 
-Reasoning models (Qwen3, SmolLM3, the DeepSeek-R1 distills) write their thinking between
-`<think>` and `</think>` before the answer. The server returns it apart, as DeepSeek's API,
-vLLM's reasoning parsers and llama.cpp's server do: `message.reasoning_content` beside
-`message.content` (streamed as `delta.reasoning_content`), and tool calls are read from the
-answer only. A pair is a reasoning model when its chat template writes both tags (data, as
-`ToolFormat` markers are); a template whose generation prompt already opens the block (R1
-distills; Qwen3 with `enable_thinking: false` closes it empty instead) starts the reply inside
-it, which `opened_by` tells from the rendered prompt's end.
+Reasoning models write their thinking between tags before the answer: `<think>` and
+`</think>` (Qwen3, SmolLM3, the DeepSeek-R1 distills), `[THINK]` and `[/THINK]` (Magistral,
+Ministral 3's reasoning models; tokens of their own). The server returns it apart, as
+DeepSeek's API, vLLM's reasoning parsers and llama.cpp's server do: `message.reasoning_content`
+beside `message.content` (streamed as `delta.reasoning_content`), and tool calls are read from
+the answer only. A pair is a reasoning model when its chat template holds both tags of a format
+(data, as `ToolFormat` markers are); a template whose generation prompt already opens the block
+(R1 distills; Qwen3 with `enable_thinking: false` closes it empty instead) starts the reply
+inside it, which `opened_by` tells from the rendered prompt's end.
 
 A reply that starts with the open tag (after whitespace), or inside a block the prompt opened,
 is reasoning up to the close tag (all of it when the reply ends first: cut by `max_tokens`),
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 
 from .held_text import Trimmed, partial_suffix
 
-__all__ = ["THINK", "ReasoningFormat", "ReasoningStream", "Split", "Thinking"]
+__all__ = ["MISTRAL_THINK", "REASONING_FORMATS", "THINK", "ReasoningFormat", "ReasoningStream",
+           "Split", "Thinking"]
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,10 @@ class ReasoningFormat:
 
     @classmethod
     def for_template(cls, source: str | None) -> ReasoningFormat | None:
-        """The format a chat template's model writes (None: the template writes no
-        thinking block, the model is not a reasoning model)."""
-        if source and THINK.open_tag in source and THINK.close_tag in source:
-            return THINK
-        return None
+        """The format a chat template's model writes: the first of `REASONING_FORMATS` whose
+        two tags the template holds (None: the model is not a reasoning model)."""
+        return next((f for f in REASONING_FORMATS
+                     if source and f.open_tag in source and f.close_tag in source), None)
 
     def opened_by(self, prompt: str) -> bool:
         """Whether the rendered `prompt` ends inside a thinking block (its generation prompt
@@ -151,4 +152,6 @@ class ReasoningStream:
 
 
 THINK = ReasoningFormat()
+MISTRAL_THINK = ReasoningFormat("[THINK]", "[/THINK]")
+REASONING_FORMATS = (THINK, MISTRAL_THINK)
 

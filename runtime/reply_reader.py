@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .reasoning import ReasoningFormat, ReasoningStream
-from .tool_calls import ToolCall, ToolFormat, ToolStream
+from .tool_calls import ToolCall, ToolFormat
+from .tool_stream import ToolStream
 
 __all__ = ["ReplyPart", "ReplyReader"]
 

@@ -176,7 +176,7 @@ class Tokenizer:
         reasoning = ReasoningFormat.for_template(chat_template)
         calls = ToolFormat.for_template(chat_template)
         tags = ((reasoning.open_tag, reasoning.close_tag) if reasoning else ()) + \
-            ((calls.open_tag, calls.close_tag) if calls else ())
+            (calls.tags if calls else ())
         self._shown = {int(i): t.content for i, t in backend.get_added_tokens_decoder().items()
                        if t.special and t.content in tags}
 

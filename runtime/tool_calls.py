@@ -6,19 +6,23 @@ is JSON text) and the call syntaxes small open models are trained on, as data (`
 Hermes-style `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen2.5 and
 Qwen3, SmolLM3, Granite 4, Hermes; and specedge's own prompt for templates that take no tools,
 `runtime/tool_prompt`), Phi-4-mini's `<|tool_call|>{...}<|/tool_call|>`, Llama 3's bare
-`{"name": ..., "parameters": {...}}`, and one JSON array of calls after a tag: Mistral's
-`[TOOL_CALLS][{...}, ...]` and Granite 3's `<|tool_call|>[{...}, ...]`.
+`{"name": ..., "parameters": {...}}`, one JSON array of calls after a tag: Mistral's
+`[TOOL_CALLS][{...}, ...]` (v3 to v7 tokenizers: Mistral 7B v0.3, Nemo, Small 3.1) and Granite
+3's `<|tool_call|>[{...}, ...]`, and each call its name then its arguments after a tag, as
+Mistral's v11 and later tokenizers write them: `[TOOL_CALLS]name[ARGS]{...}` (Ministral 3,
+Magistral, Devstral) and `[TOOL_CALLS]name[CALL_ID]a1b2c3d4e[ARGS]{...}` (Mistral Small 3.2).
 
 `tool_choice` "required" or a named function makes the reply calls only: a grammar (one JSON
 schema per tool, its `parameters` as the arguments' schema, llguidance's `%json` in a Lark
 grammar) constrains decoding, so speculation stays exact (`runtime/grammar`) and every call
 parses and fits its schema. "auto" decodes freely and finds the calls in the text; "none"
-shows the model no tools. `ToolStream` finds them in a streamed reply, holding back only text
-that may open a call; it gives what `parse` gives on the whole text.
+shows the model no tools. `ToolStream` (`runtime/tool_stream`) finds them in a streamed reply,
+giving what `parse` gives on the whole text.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -27,11 +31,11 @@ from typing import Any
 
 from .errors import FieldError
 from .grammar import Grammar
-from .held_text import Trimmed, partial_suffix
+from .held_text import partial_suffix
 
-__all__ = ["GRANITE3", "HERMES", "LLAMA3_JSON", "MISTRAL", "PHI4", "TOOL_FORMATS", "Tool",
-           "ToolCall", "ToolFormat",
-           "ToolInputError", "ToolOutput", "ToolSet", "ToolStream"]
+__all__ = ["GRANITE3", "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTRAL_ARGS", "MISTRAL_CALL_ID",
+           "PHI4", "TOOL_FORMATS", "Tool", "ToolCall", "ToolFormat", "ToolInputError",
+           "ToolOutput", "ToolSet"]
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -175,6 +179,11 @@ class ToolFormat:
             no `call_close`).
         call_id_length: the length of the call ids its chat template takes, letters and digits
             only (Mistral's templates refuse others); 0: any id.
+        args_tag: each call is `call_open`, the function's name, this tag and the arguments as
+            one JSON object, the calls of a reply one after another (Mistral v11+:
+            `[TOOL_CALLS]name[ARGS]{...}`); "": the name is in the call's JSON.
+        id_tag: with `args_tag`, the call's id is written between the name and `args_tag`
+            after this tag (Mistral Small 3.2: `name[CALL_ID]a1b2c3d4e[ARGS]`).
     """
 
     name: str
@@ -186,9 +195,14 @@ class ToolFormat:
     markers: tuple[str, ...] = field(default=(), compare=False)
     listed: bool = False
     call_id_length: int = 0
+    args_tag: str = ""
+    id_tag: str = ""
 
     def __post_init__(self) -> None:
         assert not (self.listed and self.call_close), "a listed format has no close tag"
+        assert not self.args_tag or (self.open_tag and not self.call_close and not self.listed), \
+            "a call with its name before its arguments opens with a tag and ends with its JSON"
+        assert not self.id_tag or self.args_tag, "a call id goes between a name and arguments"
 
     @classmethod
     def for_template(cls, source: str | None) -> ToolFormat | None:
@@ -207,12 +221,22 @@ class ToolFormat:
     def close_tag(self) -> str:
         return self.call_close.strip()
 
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """Every tag this format's calls hold (what decoded text must keep: `runtime/text`)."""
+        return tuple(t for t in (self.open_tag, self.close_tag, self.id_tag, self.args_tag) if t)
+
     def write(self, call: ToolCall) -> str:
         """The text of one call in this format (what the model writes)."""
         try:
             arguments = json.loads(call.arguments) if call.arguments.strip() else {}
         except ValueError:  # a client's malformed arguments: written as the text they are
             arguments = call.arguments
+        if self.args_tag:
+            call_id = self.id_tag + hashlib.sha256(f"{call.name}{call.arguments}".encode()) \
+                .hexdigest()[:self.call_id_length or 9] if self.id_tag else ""
+            return f"{self.call_open}{call.name}{call_id}{self.args_tag}" + \
+                json.dumps(arguments, ensure_ascii=False)
         body = json.dumps({"name": call.name, self.arguments_key: arguments},
                           ensure_ascii=False)
         return self.call_open + (f"[{body}]" if self.listed else body) + self.call_close
@@ -224,6 +248,8 @@ class ToolFormat:
         Raises:
             InputError: a tool's parameters schema that llguidance cannot compile.
         """
+        if self.args_tag:
+            return self._named_grammar(tools, parallel and self.parallel)
         objects = [{"type": "object",
                     "properties": {"name": {"const": t.name},
                                    self.arguments_key: json.loads(t.parameters)},
@@ -243,6 +269,21 @@ class ToolFormat:
         rules += f"obj: %json {body}\n"
         return Grammar("grammar", rules, tags=tags)
 
+    def _named_grammar(self, tools: Sequence[Tool], many: bool) -> Grammar:
+        """Calls of a format that writes each call's name before its arguments object: one
+        alternative a tool, its name then its own schema's object."""
+        tags = self.tags
+        rule = {tag: f"tag{i}" for i, tag in enumerate(tags)}
+        call_id = f" {rule[self.id_tag]} /[A-Za-z0-9]{{{self.call_id_length or 9}}}/" \
+            if self.id_tag else ""
+        choices = " | ".join(f"{json.dumps(t.name)}{call_id} {rule[self.args_tag]} args{i}"
+                             for i, t in enumerate(tools))
+        rules = f"start: call{'+' if many else ''}\ncall: {rule[self.open_tag]} ({choices})\n"
+        rules += "".join(f"args{i}: %json " + json.dumps(
+            {**json.loads(t.parameters), "x-guidance": _JSON_STYLE}, ensure_ascii=False) + "\n"
+            for i, t in enumerate(tools))
+        return Grammar("grammar", rules, tags=tags)
+
     def _more(self, item: str, many: bool) -> str:
         """Lark for the further `item`s after the first (none unless `many`)."""
         if not many:
@@ -257,6 +298,8 @@ class ToolFormat:
             return self._parse_bare(text)
         if self.listed:
             return self._parse_listed(text)
+        if self.args_tag:
+            return self._parse_named(text)
         calls: list[ToolCall] = []
         content: list[str] = []
         pos = 0
@@ -304,6 +347,55 @@ class ToolFormat:
             return ToolOutput(text.strip() or None)
         calls, rest = found
         return ToolOutput((text[:start] + rest).strip() or None, calls)
+
+    def _parse_named(self, text: str) -> ToolOutput:
+        """Calls that each open with the tag, up to the first that does not parse (it and all
+        after it is text); the text between calls is content."""
+        calls: list[ToolCall] = []
+        content: list[str] = []
+        pos = 0
+        while (start := text.find(self.open_tag, pos)) >= 0:
+            found = self.named_after(text[start + len(self.open_tag):])
+            if found is None:
+                break
+            content.append(text[pos:start])
+            calls.append(found[0])
+            pos = len(text) - len(found[1])
+        content.append(text[pos:])
+        return ToolOutput("".join(content).strip() or None, tuple(calls))
+
+    def named_after(self, body: str) -> tuple[ToolCall, str] | None:
+        """The call `body` (the text after a call's open tag) starts with, `name[ARGS]{...}`
+        with `args_tag` (a call id before that tag is skipped), and the text after it; None
+        when it does not start with one."""
+        head, tag, rest = body.partition(self.args_tag)
+        name = head.partition(self.id_tag)[0].strip() if self.id_tag else head.strip()
+        if not tag or not _NAME.fullmatch(name):
+            return None
+        rest = rest.lstrip()
+        try:
+            arguments, end = json.JSONDecoder().raw_decode(rest)
+        except ValueError:
+            return None
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False)), rest[end:]
+
+    def named_fails(self, body: str) -> bool:
+        """`body` (text after a call's open tag, as far as it has arrived) cannot start a call
+        however it goes on: a name that is no name, or arguments that are not an object."""
+        head, tag, rest = body.partition(self.args_tag)
+        if not tag:  # still in the name: drop what may be the start of a tag
+            head = head[:len(head) - max(partial_suffix(head, self.args_tag),
+                                         partial_suffix(head, self.id_tag or self.args_tag))]
+        name = head.partition(self.id_tag)[0] if self.id_tag else head
+        stripped = name.strip()  # space inside it shows once a letter follows
+        if len(stripped) > 64 or not re.fullmatch(r"[A-Za-z0-9_-]*", stripped):
+            return True
+        if tag:
+            after = rest.lstrip()
+            return not stripped or (bool(after) and not after.startswith("{"))
+        return False
 
     def array_after(self, text: str) -> tuple[tuple[ToolCall, ...], str] | None:
         """The calls of the JSON array (or one object) `text` starts with (after whitespace),
@@ -353,117 +445,14 @@ GRANITE3 = ToolFormat("granite3", "<|tool_call|>", "", ", ", "arguments", listed
                       markers=("<|tool_call|>",))
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", ", ", "arguments", listed=True,
                      markers=("[TOOL_CALLS]",), call_id_length=9)
+MISTRAL_CALL_ID = ToolFormat("mistral_call_id", "[TOOL_CALLS]", "", "", "arguments",
+                             markers=("[CALL_ID]",), call_id_length=9, args_tag="[ARGS]",
+                             id_tag="[CALL_ID]")
+MISTRAL_ARGS = ToolFormat("mistral_args", "[TOOL_CALLS]", "", "", "arguments",
+                          markers=("[ARGS]",), args_tag="[ARGS]")
 LLAMA3_JSON = ToolFormat("llama3_json", "", "", "; ", "parameters", parallel=False,
                          markers=("<|start_header_id|>",))
 # The first whose marker a template holds (PHI4 before GRANITE3: Phi-4's template holds both
-# tags); a template that takes tools and holds none is taken as Hermes.
-TOOL_FORMATS = (HERMES, PHI4, GRANITE3, MISTRAL, LLAMA3_JSON)
-
-
-class ToolStream:
-    """Finds the calls in a reply as its text arrives (`feed` each delta, then `finish`).
-
-    Text that may open a call is held back, and so is whitespace at either end of the reply's
-    text, so the content and calls given out add up to what `ToolFormat.parse` finds in the
-    whole reply.
-    """
-
-    def __init__(self, fmt: ToolFormat) -> None:
-        self.fmt = fmt
-        self._buffer = ""  # text not decided yet
-        self._content = Trimmed()  # the text outside calls
-        self._bare: bool | None = None  # a bare format: the reply is calls (True) or text
-        self._listed = "before"  # a listed format: before | array (after the tag) | after
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Content to send now, and the calls `text` completed."""
-        self._buffer += text
-        if not self.fmt.open_tag:
-            return self._feed_bare()
-        if self.fmt.listed:
-            return self._feed_listed()
-        opening, closing = self.fmt.open_tag, self.fmt.close_tag
-        content, calls = "", list[ToolCall]()
-        while True:
-            start = self._buffer.find(opening)
-            if start < 0:
-                keep = partial_suffix(self._buffer, opening)
-                content += self._give(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-                return content, calls
-            content += self._give(self._buffer[:start])
-            self._buffer = self._buffer[start:]
-            end = self._buffer.find(closing, len(opening))
-            if end < 0:
-                return content, calls
-            stop = end + len(closing)
-            call = self.fmt.call_from(self._buffer[len(opening):end])
-            if call is None:
-                content += self._give(self._buffer[:stop])
-            else:
-                calls.append(call)
-            self._buffer = self._buffer[stop:]
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The rest: text held back, and a call the reply left open (when it parses)."""
-        rest, self._buffer = self._buffer, ""
-        if not self.fmt.open_tag:
-            if not self._bare:
-                return self._give(rest), []
-            found = self.fmt.parse(rest)
-            return self._give(found.content or ""), list(found.calls)
-        if self.fmt.listed:
-            if self._listed != "array":
-                return self._give(rest), []
-            array = self.fmt.array_after(rest)
-            if array is None:  # not calls: the tag and all after it are text
-                return self._give(self.fmt.open_tag + rest), []
-            return self._give(array[1]), list(array[0])
-        if rest.startswith(self.fmt.open_tag):
-            call = self.fmt.call_from(rest[len(self.fmt.open_tag):])
-            if call is not None:
-                return "", [call]
-        return self._give(rest), []
-
-    def _feed_listed(self) -> tuple[str, list[ToolCall]]:
-        """A listed format: text up to the first tag, then its array (held until it parses as
-        calls, or the reply ends), then text."""
-        content = ""
-        if self._listed == "before":
-            opening = self.fmt.open_tag
-            start = self._buffer.find(opening)
-            if start < 0:
-                keep = partial_suffix(self._buffer, opening)
-                content = self._give(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-                return content, []
-            content = self._give(self._buffer[:start])
-            self._buffer, self._listed = self._buffer[start + len(opening):], "array"
-        if self._listed == "array":
-            head = self._buffer.lstrip()
-            if head and head[0] not in "[{":  # no array: the tag and the rest are text
-                self._buffer, self._listed = self.fmt.open_tag + self._buffer, "after"
-            elif (array := self.fmt.array_after(self._buffer)) is not None:
-                self._buffer, self._listed = array[1], "after"
-                return content + self._give(self._buffer_out()), list(array[0])
-            else:
-                return content, []
-        return content + self._give(self._buffer_out()), []
-
-    def _buffer_out(self) -> str:
-        text, self._buffer = self._buffer, ""
-        return text
-
-    def _feed_bare(self) -> tuple[str, list[ToolCall]]:
-        if self._bare is None:
-            if not self._buffer.strip():
-                return "", []
-            self._bare = self._buffer.lstrip().startswith("{")
-        if self._bare:
-            return "", []  # calls, or text that starts like one: decided at the end
-        text, self._buffer = self._buffer, ""
-        return self._give(text), []
-
-    def _give(self, text: str) -> str:
-        """`text` as content to send (stripped at the reply's ends: `Trimmed`)."""
-        return self._content.give(text)
+# tags; Mistral's by the newest tag: a [CALL_ID] template holds [ARGS], both hold
+# [TOOL_CALLS]); a template that takes tools and holds none is taken as Hermes.
+TOOL_FORMATS = (HERMES, PHI4, GRANITE3, MISTRAL_CALL_ID, MISTRAL_ARGS, MISTRAL, LLAMA3_JSON)

@@ -425,3 +425,72 @@ def test_structured_output_constrains_the_answer_not_the_thinking(
             "structured_outputs": {"regex": ANSWER}}).json()
     message = reply["choices"][0]["message"]  # the whole reply matched: all thinking
     assert message["content"] is None and re.fullmatch(ANSWER, message["reasoning_content"])
+
+
+# A Magistral-style template (written for this test): the system prompt names the [THINK] and
+# [/THINK] tags, calls are written as Mistral's v11+ tokenizers write them.
+MAGISTRAL_TEMPLATE = """\
+[SYSTEM_PROMPT]Think first, between [THINK] and [/THINK], then answer.[/SYSTEM_PROMPT]
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+[INST]{{ message.content }}[/INST]
+{%- elif message.tool_calls %}
+{%- for call in message.tool_calls %}
+{{- '[TOOL_CALLS]' + call.function.name + '[ARGS]' + call.function.arguments | tojson }}
+{%- endfor %}</s>
+{%- else %}{{ message.content }}</s>
+{%- endif %}
+{%- endfor %}"""
+
+
+def test_magistral_thinking_and_calls_through_the_server(pair_copy: Path) -> None:
+    """[THINK] ... [/THINK] (special tokens, kept in decoded text) is read as reasoning and
+    the `[TOOL_CALLS]name[ARGS]{...}` call after it as a call, whole and streamed, as
+    target-only decoding with the forced call's grammar after the thinking finds them. A
+    logit bias on the tags steers the random model into thinking and out of it."""
+    import openai
+
+    from specedge.runtime.reasoning import MISTRAL_THINK, Thinking
+    from specedge.runtime.sampling import SamplingParams
+    from specedge.runtime.tool_calls import MISTRAL_ARGS, ToolSet
+    from specedge.runtime.tool_prompt import ToolPlan
+
+    assert ReasoningFormat.for_template(MAGISTRAL_TEMPLATE) is MISTRAL_THINK
+    (pair_copy / "chat_template.jinja").write_text(MAGISTRAL_TEMPLATE)
+    rehash(pair_copy, "chat_template.jinja")
+    tags = ("[THINK]", "[/THINK]", "[TOOL_CALLS]", "[ARGS]")
+    opening, closing, *_ = own_tokens(pair_copy, tags, special=True)
+    pair = Pair.load(pair_copy)
+    assert pair.tokenizer.decode([opening, closing, *_]) == "".join(tags)
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai([CLOCK], "required", False))
+    assert plan.fmt is MISTRAL_ARGS and plan.grammar is not None
+    ids = plan.prompt_ids(pair.tokenizer, ASK)
+    config = GenerationConfig(max_new_tokens=48, drafter="none",
+                              grammar=plan.grammar.after(Thinking(MISTRAL_THINK)))
+    for bias in [x / 4 for x in range(24)]:  # the least that ends the thinking after some
+        biases = {opening: 50.0, closing: bias}
+        text = pair.generate(ids, replace(config, sampling=SamplingParams(
+            temperature=0, logit_bias=biases))).text
+        want = MISTRAL_THINK.split(text)
+        if want.reasoning and MISTRAL_ARGS.parse(want.content or "").calls:
+            break
+    assert want.reasoning and want.content, text
+    with running(create_app(pair, ServerOptions(max_tokens_limit=48))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        kwargs: dict[str, Any] = {
+            "model": pair.manifest.root.name, "messages": ASK, "temperature": 0,
+            "max_tokens": 48, "tools": [CLOCK], "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "logit_bias": {str(t): b for t, b in biases.items()}}
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, \
+            (text, choice)
+        assert [c.function.name for c in choice.message.tool_calls or []] == ["time"]
+        assert choice.message.model_extra["reasoning_content"] == want.reasoning
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(
+            stream=True, **kwargs) if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or ""
+                       for d in deltas) == want.reasoning
+        assert [c.function.name for d in deltas for c in d.tool_calls or []
+                if c.function and c.function.name] == ["time"]

@@ -26,6 +26,8 @@ from specedge.runtime.tool_calls import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    MISTRAL_ARGS,
+    MISTRAL_CALL_ID,
     PHI4,
     TOOL_FORMATS,
     Tool,
@@ -34,9 +36,9 @@ from specedge.runtime.tool_calls import (
     ToolInputError,
     ToolOutput,
     ToolSet,
-    ToolStream,
 )
 from specedge.runtime.tool_prompt import ToolPlan
+from specedge.runtime.tool_stream import ToolStream
 
 from .test_hardening import pair_copy, rehash
 from .test_penalties import rows_three_ways
@@ -152,9 +154,35 @@ def test_parse_finds_calls_and_keeps_the_rest_as_text() -> None:
         written = ToolCall("weather", '{"city": "Oslo", "days": [1, 2]}')
         assert fmt.parse(fmt.write(written)).calls == (written,), fmt.name
     for marker, fmt in (("<tool_call>", HERMES), ("[TOOL_CALLS]", MISTRAL),
+                        ("[TOOL_CALLS]' + name + '[ARGS]", MISTRAL_ARGS),
+                        ("[TOOL_CALLS]' + name + '[CALL_ID]' + id + '[ARGS]", MISTRAL_CALL_ID),
                         ("<|tool_call|>", GRANITE3), ("<|tool_call|><|/tool_call|>", PHI4),
                         ("<|start_header_id|>", LLAMA3_JSON), ("plain", None)):
         assert ToolFormat.for_template(f"{{{{ tools }}}}{marker}") is fmt, marker
+
+
+def test_mistral_v11_calls_write_each_name_before_its_arguments() -> None:
+    """`[TOOL_CALLS]name[ARGS]{...}` a call (Ministral 3, Magistral), a call id between
+    `[CALL_ID]` and `[ARGS]` for Mistral Small 3.2; anything else after the tag is text, and
+    so is all that follows a call that does not parse."""
+    f, g = ToolCall("f", '{"a": 1}'), ToolCall("get-time_2", "{}")
+    for fmt in (MISTRAL_ARGS, MISTRAL_CALL_ID):
+        assert fmt.parse('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]get-time_2[ARGS]{}') == \
+            ToolOutput(None, (f, g))
+        assert fmt.parse('Sure. [TOOL_CALLS] f [ARGS] {"a": 1} ok') == \
+            ToolOutput("Sure.  ok", (f,))
+        for text in ("[TOOL_CALLS]f[ARGS]null", "[TOOL_CALLS]f[ARGS][1]", "[TOOL_CALLS]f{}",
+                     "[TOOL_CALLS]two words[ARGS]{}", "[TOOL_CALLS][ARGS]{}",
+                     '[TOOL_CALLS]f[ARGS]{"a": ', "[TOOL_CALLS]f[ARGS]{bad}", "plain"):
+            assert fmt.parse(text) == ToolOutput(text.strip()), (fmt.name, text)
+        assert fmt.parse('[TOOL_CALLS]f[ARGS]{"a": 1} [TOOL_CALLS]x y[ARGS]{}') == \
+            ToolOutput("[TOOL_CALLS]x y[ARGS]{}", (f,))
+    assert MISTRAL_CALL_ID.parse('[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"a": 1}') == \
+        ToolOutput(None, (f,))
+    written = MISTRAL_CALL_ID.write(f)
+    assert re.fullmatch(r'\[TOOL_CALLS\]f\[CALL_ID\][0-9a-f]{9}\[ARGS\]\{"a": 1\}', written)
+    assert MISTRAL_ARGS.write(f) == '[TOOL_CALLS]f[ARGS]{"a": 1}'
+    assert MISTRAL_CALL_ID.tags == ("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]")
 
 
 _PIECES = st.lists(st.sampled_from([
@@ -181,6 +209,53 @@ def test_a_streamed_reply_gives_what_the_whole_reply_gives(pieces: list[str], da
     more, found = stream.finish()
     whole = fmt.parse(text)
     assert (content + more or None, tuple(calls + found)) == (whole.content, whole.calls)
+
+
+_NAMED_CALL = st.tuples(
+    st.sampled_from(["[TOOL_CALLS]", "[TOOL_CALLS]", "[TOOL"]),
+    st.sampled_from(["f", "get_time-2", " f ", "x y", "", "f" * 70, "f["]),
+    st.sampled_from(["", "", "[CALL_ID]a1b2c3d4e", "[CALL_ID]", "[CALL"]),
+    st.sampled_from(["[ARGS]", "[ARGS]", " [ARGS] ", "[AR", ""]),
+    st.sampled_from(['{"a": 1}', "{}", '{"b": [1, {"c": "}"}]}', "null", "[1]", "{", '{"a": ',
+                     "{bad}", ""])).map("".join)
+_NAMED_PIECES = st.lists(st.one_of(_NAMED_CALL, st.sampled_from(
+    ["Hi", " ", "\n", "text", "[", "]", "{", "}", "[ARGS]", "f"])), max_size=5)
+
+
+@settings(max_examples=800)
+@given(pieces=_NAMED_PIECES, data=st.data(), fmt=st.sampled_from([MISTRAL_ARGS,
+                                                                 MISTRAL_CALL_ID]))
+def test_streamed_mistral_v11_calls_are_the_whole_replys(pieces: list[str], data: Any,
+                                                        fmt: ToolFormat) -> None:
+    """Streamed at any cuts, a reply of name-then-arguments calls gives what parsing it
+    whole gives, and a call is given out as soon as its arguments close."""
+    text = "".join(pieces)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=10))
+    bounds = sorted({0, len(text), *cuts})
+    stream, content, calls = ToolStream(fmt), "", list[ToolCall]()
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        more, found = stream.feed(text[a:b])
+        content, calls = content + more, calls + found
+        assert tuple(calls) == fmt.parse(text[:b]).calls  # each call once its JSON closes
+    more, found = stream.finish()
+    whole = fmt.parse(text)
+    assert (content + more or None, tuple(calls + found)) == (whole.content, whole.calls)
+
+
+def test_a_streamed_mistral_v11_tag_that_opens_no_call_is_text_at_once() -> None:
+    """Text after `[TOOL_CALLS]` that cannot become a call is sent as soon as that shows, not
+    held to the end of the reply; text that still may become one is held."""
+    for fmt in (MISTRAL_ARGS, MISTRAL_CALL_ID):
+        for text in ("Hi [TOOL_CALLS]two words", "Hi [TOOL_CALLS]f[ARGS]null",
+                     "Hi [TOOL_CALLS]f[ARGS] [1", "Hi [TOOL_CALLS]" + "f" * 65,
+                     "Hi [TOOL_CALLS]f!"):
+            assert ToolStream(fmt).feed(text) == (text, []), (fmt.name, text)
+        for text in ("Hi [TOOL_CALLS]f", "Hi [TOOL_CALLS]f [AR", "Hi [TOOL_CALLS]f[ARGS]",
+                     'Hi [TOOL_CALLS]f[ARGS] {"a": '):
+            assert ToolStream(fmt).feed(text) == ("Hi", []), (fmt.name, text)
+    for text in ("Hi [TOOL_CALLS]f[CALL", "Hi [TOOL_CALLS]f[CALL_ID]x y"):  # an id follows
+        assert ToolStream(MISTRAL_CALL_ID).feed(text) == ("Hi", [])
+        assert ToolStream(MISTRAL_ARGS).feed(text) == (text, [])
 
 
 # ------------------------------------------------------------------------------ the prompt
@@ -556,6 +631,84 @@ def test_mistral_calls_after_a_special_token(pair_copy: Path) -> None:
         whole = client.chat.completions.create(**kwargs)
         calls = whole.choices[0].message.tool_calls or []
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == found
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        streamed = [c.function for chunk in chunks if chunk.choices
+                    for c in chunk.choices[0].delta.tool_calls or []]
+        assert [(f.name, json.loads(f.arguments or "")) for f in streamed] == found
+
+
+# Mistral v11+ templates (written for this test after Ministral 3's and Mistral Small 3.2's):
+# each call is [TOOL_CALLS], its name, (Small 3.2: [CALL_ID] and a 9-character id,) [ARGS]
+# and its arguments; the tags are special tokens.
+MISTRAL_V11_TEMPLATE = """\
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+[INST]{{ message.content }}[/INST]
+{%- elif message.tool_calls %}
+{%- for call in message.tool_calls %}
+{%- set arguments = call.function.arguments %}
+{%- if arguments is not string %}{% set arguments = arguments | tojson %}{% endif %}
+{{- '[TOOL_CALLS]' + call.function.name }}CALL_ID
+{{- '[ARGS]' + arguments }}
+{%- endfor %}<|im_end|>
+{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]
+{%- else %}{{ message.content }}<|im_end|>
+{%- endif %}
+{%- endfor %}"""
+CALL_ID = """
+{%- if call.id | length != 9 %}{{ raise_exception('call ids are 9 letters and digits') }}{% endif %}
+{{- '[CALL_ID]' + call.id }}"""
+
+
+@pytest.mark.parametrize("fmt", [MISTRAL_ARGS, MISTRAL_CALL_ID], ids=lambda f: f.name)
+def test_mistral_v11_calls_through_the_server(pair_copy: Path, fmt: ToolFormat) -> None:
+    """The template picks the format; its special tags stay in decoded text; a forced reply
+    is calls of a tag, a name, (an id,) [ARGS] and arguments fitting the named tool's schema,
+    the same tokens with every drafter; earlier calls render as the template writes them; the
+    server returns the calls whole and streamed as target-only decoding finds them."""
+    import openai
+
+    from .test_reasoning import own_tokens
+
+    template = MISTRAL_V11_TEMPLATE.replace("CALL_ID", CALL_ID if fmt.id_tag else "")
+    (pair_copy / "chat_template.jinja").write_text(template)
+    rehash(pair_copy, "chat_template.jinja")
+    tags = own_tokens(pair_copy, fmt.tags, special=True)
+    pair = Pair.load(pair_copy)
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(TOOLS, "required"))
+    assert plan.native and plan.fmt is fmt
+    args_tag = tags[fmt.tags.index("[ARGS]")]
+    assert pair.tokenizer.decode([tags[0], *pair.tokenizer.encode("f"), args_tag,
+                                  *pair.tokenizer.encode("{}")]) == "[TOOL_CALLS]f[ARGS]{}"
+    encode = pair.tokenizer.encode
+    call_id = [tags[fmt.tags.index("[CALL_ID]")], *encode("a1b2c3d4e")] if fmt.id_tag else []
+    as_tokens = [tags[0], *encode("time"), *call_id, args_tag, *encode('{"zone": "UTC"}')]
+    assert pair.grammars.state(plan.grammar).allowed_prefix([], as_tokens) == len(as_tokens)
+    want = _solo(pair, plan, ASK)
+    found = calls_of(fmt, want.text)
+    assert found and all(fits(name, arguments) for name, arguments in found), want.text
+    ids = plan.prompt_ids(pair.tokenizer, ASK)
+    for drafter in ("model", "ngram"):
+        got = pair.generate(ids, GenerationConfig(max_new_tokens=512 - len(ids),
+                                                  grammar=plan.grammar, drafter=drafter,
+                                                  num_draft_tokens=3))
+        assert got.tokens == want.tokens, drafter
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    rendered = plan.prompt_text(pair.tokenizer, history)
+    assert re.search(r'\[TOOL_CALLS\]weather(\[CALL_ID\]\w{9})?\[ARGS\]\{"city": "Paris"\}',
+                     rendered), rendered
+    with running(create_app(pair, ServerOptions())) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        kwargs: dict[str, Any] = {"model": pair.manifest.root.name, "messages": ASK,
+                                  "tools": TOOLS, "tool_choice": "required", "temperature": 0}
+        whole = client.chat.completions.create(**kwargs)
+        calls = whole.choices[0].message.tool_calls or []
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == found
+        assert whole.choices[0].message.content is None
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
         streamed = [c.function for chunk in chunks if chunk.choices
                     for c in chunk.choices[0].delta.tool_calls or []]
