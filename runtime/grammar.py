@@ -13,6 +13,13 @@ target-only decoding applies at that position. Disallowed logits become -inf bef
 so greedy and sampled speculative output stays the target's constrained output. A draft that
 breaks the grammar is rejected by verification (its masked probability is 0).
 
+Where the grammar forces text, llguidance allows only that text's own tokenization; when the
+text is one of the tokenizer's added tokens (a grammar that spells `<think>` for Qwen3),
+llguidance allows that token and then refuses it (it matches added tokens only as themselves,
+llguidance issue 366 and outlines issue 1771). A mask keeps only the tokens the matcher takes,
+so such a grammar ends its output there (eos, with a warning naming the token) instead of
+sampling from nothing until `max_tokens`.
+
 A grammar `after` a reasoning model's thinking (`runtime/reasoning.Thinking`) holds for the
 answer only: the compiler puts the thinking's Lark rules before it, as a grammar of its own that
 references this one (llguidance's nested grammars), so the matcher follows the whole reply.
@@ -21,6 +28,7 @@ references this one (llguidance's nested grammars), so the matcher follows the w
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +49,8 @@ _ANY_OBJECT = '{"type": "object"}'
 # cannot pad the output, and drafts agree more often. A schema's "x-guidance" overrides it.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANSWER = "specedge_answer"  # the name the grammar after a thinking lead is referenced by
+_CHECKED = 8  # masks of at most this many tokens (a forced path) are checked token by token
+log = logging.getLogger(__name__)
 
 
 def _llguidance() -> Any:
@@ -230,6 +240,15 @@ class GrammarState:
     def _mask(self) -> npt.NDArray[np.bool_]:
         bits = np.frombuffer(self._matcher.compute_bitmask(), np.uint8)
         mask = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+        if np.count_nonzero(mask) <= _CHECKED:  # a forced path: keep what the matcher takes
+            for token in np.flatnonzero(mask):  # (the module docstring)
+                if int(token) not in self._eos and \
+                        self._matcher.validate_tokens([int(token)]) != 1:
+                    mask[token] = False
+                    log.warning("structured output: the grammar spells token %d, one of the "
+                                "tokenizer's own, which llguidance matches only as itself "
+                                "and not as text: the output ends here (write it as <[%d]> "
+                                "in a Lark grammar)", token, token)
         if not mask.any():  # a dead end: no token continues the grammar
             if self._matcher.is_error():
                 raise InputError(f"structured output failed: "

@@ -26,7 +26,10 @@ from specedge.runtime.grammar import Grammar, GrammarState
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 
+from .test_hardening import pair_copy
 from .test_penalties import plain_greedy, rows_three_ways
+
+__all__ = ["pair_copy"]  # a fixture, imported for the tests below
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n", "tag"],
           "properties": {"ok": {"type": "boolean"},
@@ -244,3 +247,26 @@ def test_sampling_keeps_the_constrained_distribution(pair: Pair) -> None:
     if table[0][-1] + table[1][-1] == 0:
         table = [row[:-1] for row in table]
     assert chi2_contingency(table).pvalue > 1e-3, counts
+
+
+def test_a_grammar_that_spells_a_tag_token_ends_instead_of_sampling_nothing(
+        pair_copy: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A regex that spells `<think>` where the tokenizer has it as a token of its own: llguidance
+    allows only that token and then refuses it. Before, every later row was masked to nothing
+    and the output ran to max_tokens as token 0; now the mask keeps what the matcher takes, the
+    output ends with eos there (the same with speculation), and a warning names the token."""
+    from .test_reasoning import think_tokens
+
+    opening, _ = think_tokens(pair_copy)
+    pair = Pair.load(pair_copy)
+    grammar = Grammar("regex", r"ok<think>[a-z]{3,12}</think>[a-z]{3,9}")
+    ids = pair.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    config = GenerationConfig(max_new_tokens=40, drafter="none", grammar=grammar)
+    with caplog.at_level("WARNING", logger="specedge.runtime.grammar"):
+        want = pair.generate(ids, config)
+    assert want.stop_reason == "eos" and want.text == "ok", (want.tokens, want.text)
+    assert f"token {opening}" in caplog.text
+    for drafter in ("model", "ngram"):
+        got = pair.generate(ids, GenerationConfig(max_new_tokens=40, drafter=drafter,
+                                                  num_draft_tokens=3, grammar=grammar))
+        assert got.tokens == want.tokens, drafter
