@@ -177,8 +177,9 @@ class Tokenizer:
         calls = ToolFormat.for_template(chat_template)
         tags = ((reasoning.open_tag, reasoning.close_tag) if reasoning else ()) + \
             (calls.tags if calls else ())
-        self._shown = {int(i): t.content for i, t in backend.get_added_tokens_decoder().items()
-                       if t.special and t.content in tags}
+        added = backend.get_added_tokens_decoder().items()
+        self._shown = {int(i): t.content for i, t in added if t.special and t.content in tags}
+        self._hidden = {int(i) for i, t in added if t.special} - self._shown.keys()
 
     @classmethod
     def from_folder(
@@ -379,15 +380,11 @@ class Tokenizer:
             values.append(value)
         if not skip_special_tokens or not self._shown.keys() & set(values):
             return str(self._backend.decode(values, skip_special_tokens=skip_special_tokens))
-        pieces, run = [], list[int]()  # the runs between kept tags, decoded on their own
-        for value in [*values, -1]:
-            if value in self._shown or value < 0:
-                pieces.append(str(self._backend.decode(run, skip_special_tokens=True)))
-                pieces.append(self._shown.get(value, ""))
-                run = []
-            else:
-                run.append(value)
-        return "".join(pieces)
+        # The other special tokens dropped, the rest decoded as one text: decoded apart, the
+        # runs between kept tags lost the space a SentencePiece (metaspace) decoder strips at a
+        # text's start (`[TOOL_CALLS] [` came out `[TOOL_CALLS][`).
+        kept = [v for v in values if v not in self._hidden]
+        return str(self._backend.decode(kept, skip_special_tokens=False))
 
     def to_json(self) -> str:
         """The tokenizer serialized as `tokenizers` writes it (what llguidance loads)."""
