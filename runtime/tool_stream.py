@@ -38,12 +38,9 @@ class ToolStream:
         opening, closing = self.fmt.open_tag, self.fmt.close_tag
         content, calls = "", list[ToolCall]()
         while True:
-            start = self._buffer.find(opening)
+            given, start = self._give_until(opening)
             if start < 0:
-                keep = partial_suffix(self._buffer, opening)
-                content += self._give(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-                return content, calls
+                return content + given, calls
             content += self._give(self._buffer[:start])
             self._buffer = self._buffer[start:]
             end = self._buffer.find(closing, len(opening))
@@ -86,12 +83,9 @@ class ToolStream:
         content = ""
         if self._listed == "before":
             opening = self.fmt.open_tag
-            start = self._buffer.find(opening)
+            given, start = self._give_until(opening)
             if start < 0:
-                keep = partial_suffix(self._buffer, opening)
-                content = self._give(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-                return content, []
+                return given, []
             content = self._give(self._buffer[:start])
             self._buffer, self._listed = self._buffer[start + len(opening):], "array"
         if self._listed == "array":
@@ -111,12 +105,9 @@ class ToolStream:
         after a call that fails, text."""
         content, calls, opening = "", list[ToolCall](), self.fmt.open_tag
         while not self._named_text:
-            start = self._buffer.find(opening)
+            given, start = self._give_until(opening)
             if start < 0:
-                keep = partial_suffix(self._buffer, opening)
-                content += self._give(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-                return content, calls
+                return content + given, calls
             body = self._buffer[start + len(opening):]
             found = self.fmt.named_after(body)
             if found is None and not self.fmt.named_fails(body):
@@ -130,6 +121,17 @@ class ToolStream:
                 calls.append(found[0])
                 self._buffer = found[1]
         return content + self._give(self._buffer_out()), calls
+
+    def _give_until(self, tag: str) -> tuple[str, int]:
+        """Where `tag` first starts in the buffer, with "" to send; when it is not there (-1),
+        the buffer's text as content to send, all but an end that may begin the tag."""
+        start = self._buffer.find(tag)
+        if start >= 0:
+            return "", start
+        keep = partial_suffix(self._buffer, tag)
+        given = self._give(self._buffer[:len(self._buffer) - keep])
+        self._buffer = self._buffer[len(self._buffer) - keep:]
+        return given, -1
 
     def _buffer_out(self) -> str:
         text, self._buffer = self._buffer, ""

@@ -577,6 +577,24 @@ def test_a_forced_call_may_write_its_tags_as_the_tokenizers_own(pair_copy: Path)
     assert reply["usage"]["completion_tokens"] == len(want.tokens)
 
 
+def _served_calls(pair: Pair) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """The calls (name, arguments) the server returns for `ASK` with `TOOLS` required, whole
+    and streamed, through the `openai` client (a whole reply with calls has no content)."""
+    import openai
+
+    with running(create_app(pair, ServerOptions())) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        kwargs: dict[str, Any] = {"model": pair.manifest.root.name, "messages": ASK,
+                                  "tools": TOOLS, "tool_choice": "required", "temperature": 0}
+        whole = client.chat.completions.create(**kwargs).choices[0].message
+        assert whole.content is None
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = [c.function for chunk in chunks if chunk.choices
+                for c in chunk.choices[0].delta.tool_calls or []]
+    return ([(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls or []],
+            [(f.name, json.loads(f.arguments or "")) for f in streamed])
+
+
 # A Mistral-style template (written for this test): the tools before the user turn, and calls
 # as one JSON array after the [TOOL_CALLS] token, which the tokenizer marks special.
 MISTRAL_TEMPLATE = """\
@@ -601,7 +619,6 @@ def test_mistral_calls_after_a_special_token(pair_copy: Path) -> None:
     """Mistral's format: the template's marker picks it, the special [TOOL_CALLS] stays in the
     decoded text, a forced reply is the tag and one array of calls fitting their schemas, and
     the server returns them whole and streamed as target-only decoding finds them."""
-    import openai
 
     from .test_reasoning import own_tokens
 
@@ -624,17 +641,7 @@ def test_mistral_calls_after_a_special_token(pair_copy: Path) -> None:
     assert '[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "Paris"}}]' in rendered
     (call_id,) = re.findall(r"\[TOOL_RESULTS\] (\w+): sunny", rendered)
     assert len(call_id) == 9 and call_id.isalnum()  # the call's id, as the template takes it
-    with running(create_app(pair, ServerOptions())) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-        kwargs: dict[str, Any] = {"model": pair.manifest.root.name, "messages": ASK,
-                                  "tools": TOOLS, "tool_choice": "required", "temperature": 0}
-        whole = client.chat.completions.create(**kwargs)
-        calls = whole.choices[0].message.tool_calls or []
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == found
-        chunks = list(client.chat.completions.create(stream=True, **kwargs))
-        streamed = [c.function for chunk in chunks if chunk.choices
-                    for c in chunk.choices[0].delta.tool_calls or []]
-        assert [(f.name, json.loads(f.arguments or "")) for f in streamed] == found
+    assert _served_calls(pair) == (found, found)
 
 
 # Mistral v11+ templates (written for this test after Ministral 3's and Mistral Small 3.2's):
@@ -667,7 +674,6 @@ def test_mistral_v11_calls_through_the_server(pair_copy: Path, fmt: ToolFormat) 
     is calls of a tag, a name, (an id,) [ARGS] and arguments fitting the named tool's schema,
     the same tokens with every drafter; earlier calls render as the template writes them; the
     server returns the calls whole and streamed as target-only decoding finds them."""
-    import openai
 
     from .test_reasoning import own_tokens
 
@@ -701,15 +707,4 @@ def test_mistral_v11_calls_through_the_server(pair_copy: Path, fmt: ToolFormat) 
     rendered = plan.prompt_text(pair.tokenizer, history)
     assert re.search(r'\[TOOL_CALLS\]weather(\[CALL_ID\]\w{9})?\[ARGS\]\{"city": "Paris"\}',
                      rendered), rendered
-    with running(create_app(pair, ServerOptions())) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-        kwargs: dict[str, Any] = {"model": pair.manifest.root.name, "messages": ASK,
-                                  "tools": TOOLS, "tool_choice": "required", "temperature": 0}
-        whole = client.chat.completions.create(**kwargs)
-        calls = whole.choices[0].message.tool_calls or []
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == found
-        assert whole.choices[0].message.content is None
-        chunks = list(client.chat.completions.create(stream=True, **kwargs))
-        streamed = [c.function for chunk in chunks if chunk.choices
-                    for c in chunk.choices[0].delta.tool_calls or []]
-        assert [(f.name, json.loads(f.arguments or "")) for f in streamed] == found
+    assert _served_calls(pair) == (found, found)
