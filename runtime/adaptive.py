@@ -47,6 +47,15 @@ class AdaptiveK:
       chosen only when predicted `MIN_GAIN` (3%) faster than k = 0; until the draft calls
       were read in `TRUST_READINGS` rounds, k = 0 re-reads `k_start` at once (cold rounds read
       slow).
+    - In a batch, what rounds realized overrules the model: when drafting lately gave fewer
+      tokens a second than plain rounds at the same rows (measured in at least `REALIZED_MIN`
+      rounds, decayed by `REALIZED_DECAY` a round since, separate catch-ups left out; plain
+      rounds as predicted until they ran as many), k = 0 is chosen (the batching server under
+      4 clients on 2 cores drafted at 3-4 rows where the model predicted a gain: realized 131
+      against 136 tok/s, 76 against 105). Decayed, the readings of drafting left alone fade
+      below `REALIZED_MIN` in a few hundred rounds, so the model decides again and the round
+      it drafts renews the reading. Leaving k = 0 also pays the tokens the lagging draft feeds
+      first (`_lag_cost`).
     - Every `probe_every` rounds a neighbouring k is tried so that the costs and acceptances it
       relies on stay measured; a probe that does not change the choice doubles the interval (up
       to `max_probe_every`), because a probe is not free. A probe up from k = 0 is skipped when
@@ -75,6 +84,11 @@ class AdaptiveK:
     PROBE_SHARE = 0.02  # an unfruitful probe may cost this share of the rounds till the next
     MAX_COSTLY_PROBE_EVERY = 4096
     MIN_GAIN = 0.03  # drafting is chosen over plain decoding only when predicted this much faster
+    REALIZED_MIN = 3.0  # decayed rounds at (rows, k) before their realized rate overrules
+    # Per round since a reading: a verdict lasts a few hundred rounds, and once it faded one
+    # round at that k renews it (at 0.98 it faded in ~50 rounds and took 4 losing rounds to
+    # renew: a tenth of the 4-row rounds under load drafted at a loss).
+    REALIZED_DECAY = 0.995
 
     def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
                  accept_decay: float = 0.98, shrink: float = 4.0, prior: float = 0.7,
@@ -120,6 +134,9 @@ class AdaptiveK:
         self.text_tokens: float | None = None  # tokens per row per text (moving average)
         self._tokens_now = 0.0  # tokens per row so far in this text
         self._text_start = 0
+        # (rows, drafted) -> [rounds, tokens a row, seconds, round of the last reading]: batched
+        # rounds realized, decayed by REALIZED_DECAY a round (`realized_rate`).
+        self._realized: dict[tuple[int, int], list[float]] = {}
 
     def new_text(self, carry: float = 0.3, prefill: Sequence[int] = (),
                  rows: int | None = None) -> None:
@@ -226,7 +243,8 @@ class AdaptiveK:
                      draft_step_calls: int, verify_s: float, catch_up: int = 0,
                      catch_up_s: float = 0.0, catch_up_tokens: int | None = None,
                      rows: int | None = None, next_rows: int | None = None,
-                     first_call: tuple[int, int, float] | None = None) -> None:
+                     first_call: tuple[int, int, float] | None = None,
+                     realized: tuple[int, float] | None = None) -> None:
         """Record one batched round: (proposed, accepted) per row, and the round's costs.
 
         The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
@@ -237,10 +255,13 @@ class AdaptiveK:
         rows the next round will feed (default `rows`), at whose costs its k is chosen;
         `first_call`: (rows, width, seconds) of the round's first draft call, when the caller
         keeps it apart (`draft_step_s` and `draft_step_calls` are then the one-token calls
-        after it; without it every drafting call counts as a one-token step).
+        after it; without it every drafting call counts as a one-token step); `realized`:
+        (tokens, seconds) the round gave all its rows, its catch-up left out.
         """
         rows = rows or len(outcomes)
         self.rounds += 1
+        if realized is not None:
+            self._record_realized(rows, k, *realized)
         self.catch_up = catch_up
         self.catch_up_tokens = catch_up if catch_up_tokens is None else catch_up_tokens
         self._text_prefill = ()  # the text has started: its prefill was made or deferred
@@ -270,6 +291,24 @@ class AdaptiveK:
         self.rows = next_rows or rows
         self._drafted = k > 0
         self.k = self.choose()
+
+    def _record_realized(self, rows: int, k: int, tokens: int, seconds: float) -> None:
+        entry = self._realized.setdefault((rows, min(k, 1)), [0.0, 0.0, 0.0, float(self.rounds)])
+        fade = self.REALIZED_DECAY ** (self.rounds - entry[3])
+        entry[:] = [entry[0] * fade + 1, entry[1] * fade + tokens / rows,
+                    entry[2] * fade + seconds, float(self.rounds)]
+
+    def realized_rate(self, rows: int, k: int) -> float | None:
+        """Tokens a row a second that batched rounds at `rows` rows gave lately, as
+        `expected_rate` counts them: plain rounds (k = 0) or drafting ones (any k > 0; apart
+        by k, a server's readings were too few to tell); None: fewer than `REALIZED_MIN`
+        decayed rounds."""
+        entry = self._realized.get((rows, min(k, 1)))
+        if entry is None or entry[2] <= 0:
+            return None
+        if entry[0] * self.REALIZED_DECAY ** (self.rounds - entry[3]) < self.REALIZED_MIN:
+            return None
+        return entry[1] / entry[2]
 
     def _estimate_acceptance(self) -> None:
         prev = self.prior  # a(0)
@@ -308,10 +347,22 @@ class AdaptiveK:
         if self._text_prefill:
             return sum(self.feeds.cost(n) or 0.0 for n in self._text_prefill)
         if self.catch_up <= self.MAX_PROBE_CATCH_UP:
-            return 0.0
+            return self._lag_cost()
         if self.feeds.mean:
             return self.feeds.cost(self.catch_up_tokens) or 0.0
         return self.catch_up * (self.draft_step or 0.0)
+
+    def _lag_cost(self) -> float:
+        """Seconds a first draft call after k = 0 rounds spends feeding their tokens (up to
+        `MAX_PROBE_CATCH_UP` a row) beyond the `first_width` it feeds after a drafting round:
+        a batch's gqa-shared draft feeds them one call a token (under 4 clients on 2 cores
+        a lag of 5 made a k = 1 round 86 ms where it took 53)."""
+        width = self.first_width or 1.0
+        if self._drafted or not self.draft_rounds or self.catch_up <= width:
+            return 0.0
+        lagging = self.draft.cost(self.rows * self.catch_up)
+        usual = self.draft.cost(max(self.rows, round(self.rows * width)))
+        return max(0.0, lagging - usual) if lagging is not None and usual is not None else 0.0
 
     def choose(self) -> int:
         if self.draft_step is None and self.k > 0:
@@ -327,6 +378,10 @@ class AdaptiveK:
         best = max(measured, key=lambda k: measured[k]) if measured else self.k
         if best and 0 in measured and measured[best] < measured[0] * (1 + self.MIN_GAIN):
             best = 0  # near break-even the estimates' noise flipped k to drafts that lost
+        plain_rate = self.realized_rate(self.rows, 0) or measured.get(0)
+        done = self.realized_rate(self.rows, best) if best else None
+        if done is not None and plain_rate is not None and done < plain_rate:
+            best = 0  # drafting at this k lost in the rounds that ran it (the docstring)
         catch_up = self._catch_up_cost()
         if best and 0 in measured and catch_up > 0:
             # Leaving k = 0 first feeds the draft every token since; it must pay within the

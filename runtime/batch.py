@@ -213,13 +213,15 @@ class BatchDecoder(RowJoins):
                 row.output.finish()
                 row.reported = True
                 finished.append(row)
+        round_s = time.perf_counter() - t_start - catch_up_s
         totals = self.totals
         totals.rounds += 1
         totals.live_rows.append(len(live))
         totals.draft_lengths.append(k_round)
         totals.proposed += sum(n for n, _ in outcomes)
         totals.accepted += sum(a for _, a in outcomes)
-        totals.new_tokens += sum(len(r.generated) - r.counted for r in live)
+        round_tokens = sum(len(r.generated) - r.counted for r in live)
+        totals.new_tokens += round_tokens
         for r in live:
             r.counted = len(r.generated)
         totals.draft_s += draft_s + catch_up_s
@@ -235,7 +237,8 @@ class BatchDecoder(RowJoins):
                 k_round, tuned, sum(steps) if calls else 0.0, len(steps) if calls else k_round,
                 verify_s, max(lags) + 1, catch_up_s, catch_up_tokens=_catch_up_size(lags),
                 rows=len(fed), next_rows=len(self.live),
-                first_call=(calls[0].rows, calls[0].width, calls[0].seconds) if calls else None)
+                first_call=(calls[0].rows, calls[0].width, calls[0].seconds) if calls else None,
+                realized=(round_tokens, round_s))
         elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
             self.tuner.record_verify(k_round + 1, verify_s, len(fed))
         return finished
