@@ -559,3 +559,27 @@ def test_drafting_that_realized_less_than_plain_rounds_stops_in_a_batch() -> Non
     assert realized0 is not None and (realized_k is None or realized_k < realized0)
     paying, drafted = run(0.0, 400)  # rounds realize what the model predicts: keep drafting
     assert drafted > 400 * 0.8, drafted
+
+
+def test_leaving_plain_rounds_pays_the_tokens_the_lagging_draft_feeds() -> None:
+    """Regression (the same server): after k = 0 rounds the first draft call feeds the tokens
+    the draft lags by, which a batch's gqa-shared draft feeds one call a token (a lag of 5
+    made a k = 1 round 86 ms where it took 53). Priced, a marginal gain does not leave k = 0
+    for a lag it cannot repay within the probe interval; without a lag it drafts."""
+    step = 0.012  # a one-token draft call over 4 rows
+
+    def tuner_at_plain(catch_up: int) -> AdaptiveK:
+        tuner = AdaptiveK(1)
+        for width in (1, 2, 3, 5, 8):  # the draft's calls as the cost table saw them
+            tuner.draft.record(4 * width, width * step)
+        for _ in range(6):  # drafting predicted ~6% faster than plain rounds
+            tuner.update_batch(1, [(1, 1)] * 4, 0.0, 0, 0.056, rows=4,
+                               first_call=(4, 1, step))
+            tuner.update_batch(0, [(0, 0)] * 4, 0.0, 0, 0.036, rows=4)
+        tuner.update_batch(0, [(0, 0)] * 4, 0.0, 0, 0.036, rows=4, catch_up=catch_up)
+        return tuner
+
+    assert tuner_at_plain(1).k == 1  # nothing to catch up: the predicted gain is taken
+    lagging = tuner_at_plain(8)
+    assert lagging.k == 0
+    assert lagging._lag_cost() == pytest.approx(7 * step, rel=0.2)
