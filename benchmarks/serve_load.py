@@ -1,7 +1,7 @@
 """Bounded load on `specedge serve`, speculation on vs off (issue 14).
 
 Usage: python benchmarks/serve_load.py [PAIR] [--requests 200] [--clients 8] [--max-tokens 32]
-           [--solo 8] [--modes spec,plain] [--distinct N] [--json OUT.json]
+           [--solo 8] [--modes spec,plain] [--repeat N] [--distinct N] [--json OUT.json]
 
 For each mode a fresh server (`python -m specedge.serve_cli PAIR`, with `--no-speculation` for
 "plain") is started on 127.0.0.1. After a warm-up (each distinct prompt of the load once, at the
@@ -12,6 +12,11 @@ give the same text). Reported per mode: time to first token and per-token latenc
 aggregate completion tokens per second, status codes, lost or duplicated responses (checked on
 the client: one 200 and one [DONE] per request, unique ids; and on the server's /metrics), and
 the server's RSS after the warm-up and after the load. A benchmark, not a test: it prints.
+
+`--repeat N` runs the modes N times, the order reversed every other time (spec, plain, plain,
+spec, ...), and reports each run and the ratio of the modes' medians: the server started first
+in a run read 15-20% slower whichever mode it was (one run each way, 2 cores), so one
+spec-then-plain run is biased against speculation.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import httpx
@@ -237,6 +243,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--solo", type=int, default=8, help="Sequential requests (batch-1 latency).")
     ap.add_argument("--modes", default="spec,plain")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="Run the modes N times, the order reversed every other time.")
     ap.add_argument("--model", default=None, help="Model id (default: the pair folder's name).")
     ap.add_argument("--prompts", type=Path, default=ROOT / "benchmarks" / "prompts.jsonl")
     ap.add_argument("--distinct", type=int, default=0,
@@ -246,26 +254,37 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the servers are stopped
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines()
                if line.strip()][:args.distinct or None]
+    modes = args.modes.split(",")
     results = []
-    for mode in args.modes.split(","):
-        print(f"running {mode}: {args.requests} requests from {args.clients} clients, "
-              f"{args.max_tokens} max tokens ...", flush=True)
-        results.append(run_mode(mode, args, prompts))
+    for turn in range(max(1, args.repeat)):
+        for mode in modes if turn % 2 == 0 else modes[::-1]:
+            print(f"running {mode}: {args.requests} requests from {args.clients} clients, "
+                  f"{args.max_tokens} max tokens ...", flush=True)
+            results.append(run_mode(mode, args, prompts))
     rows = [summary(r, args.requests) for r in results]
+    if args.repeat > 1:
+        for i, row in enumerate(rows):
+            row["mode"] = f"{row['mode']}#{i // len(modes) + 1}"
     print_table(rows)
-    if len(results) == 2:
-        a, b = rows
+    if len(modes) == 2:
+        a, b = modes
         texts = [{x.index: x.text for x in r.load} for r in results]
-        same = sum(texts[0].get(i) == texts[1].get(i) for i in range(args.requests))
-        print(f"aggregate tok/s {a['mode']}/{b['mode']}: "
-              f"{a['aggregate_tok_s'] / b['aggregate_tok_s']:.2f}x; batch-1 per-token latency "
-              f"{a['mode']} {a['solo_per_token_p50_ms']:.1f} ms vs {b['mode']} "
-              f"{b['solo_per_token_p50_ms']:.1f} ms; identical text in {same}/{args.requests}")
+        same = all(t.get(i) == texts[0].get(i) for t in texts for i in range(args.requests))
+        agg = {m: median(r["aggregate_tok_s"] for r, x in zip(rows, results, strict=True)
+                         if x.mode == m) for m in modes}
+        solo = {m: median(r["solo_per_token_p50_ms"] for r, x in zip(rows, results, strict=True)
+                          if x.mode == m) for m in modes}
+        runs = f" (medians of {args.repeat} runs each)" if args.repeat > 1 else ""
+        print(f"aggregate tok/s {a}/{b}: {agg[a] / agg[b]:.2f}x; batch-1 per-token latency "
+              f"{a} {solo[a]:.1f} ms vs {b} {solo[b]:.1f} ms{runs}; identical text in every "
+              f"run: {'yes' if same else 'NO'} ({args.requests} requests)")
     if args.json_out:
         args.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                              "summary": rows,
-                                             "records": {r.mode: [asdict(x) for x in r.load]
-                                                         for r in results}}, indent=1))
+                                             "records": {row["mode"]: [asdict(x) for x in r.load]
+                                                         for row, r in zip(rows, results,
+                                                                           strict=True)}},
+                                            indent=1))
 
 
 if __name__ == "__main__":
