@@ -84,9 +84,9 @@ class AdaptiveK:
     PROBE_SHARE = 0.02  # an unfruitful probe may cost this share of the rounds till the next
     MAX_COSTLY_PROBE_EVERY = 4096
     MIN_GAIN = 0.03  # drafting is chosen over plain decoding only when predicted this much faster
-    REALIZED_MIN = 3.0  # decayed rounds at (rows, k) before their realized rate overrules
+    REALIZED_MIN = 3.0  # decayed rounds at these rows before their realized rate overrules
     # Per round since a reading: a verdict lasts a few hundred rounds, and once it faded one
-    # round at that k renews it (at 0.98 it faded in ~50 rounds and took 4 losing rounds to
+    # drafting round renews it (at 0.98 it faded in ~50 rounds and took 4 losing rounds to
     # renew: a tenth of the 4-row rounds under load drafted at a loss).
     REALIZED_DECAY = 0.995
 
@@ -381,7 +381,7 @@ class AdaptiveK:
         plain_rate = self.realized_rate(self.rows, 0) or measured.get(0)
         done = self.realized_rate(self.rows, best) if best else None
         if done is not None and plain_rate is not None and done < plain_rate:
-            best = 0  # drafting at this k lost in the rounds that ran it (the docstring)
+            best = 0  # drafting lost in the rounds that ran it at these rows (the docstring)
         catch_up = self._catch_up_cost()
         if best and 0 in measured and catch_up > 0:
             # Leaving k = 0 first feeds the draft every token since; it must pay within the
