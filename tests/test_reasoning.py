@@ -26,6 +26,7 @@ from specedge.runtime.tool_calls import HERMES, Tool
 
 from .test_hardening import pair_copy, rehash
 from .test_serve import running
+from .test_tools import MISTRAL_V11_TEMPLATE
 
 __all__ = ["pair_copy"]  # a fixture, imported for the tests below
 
@@ -427,22 +428,10 @@ def test_structured_output_constrains_the_answer_not_the_thinking(
     assert message["content"] is None and re.fullmatch(ANSWER, message["reasoning_content"])
 
 
-# A Magistral-style template (written for this test): the system prompt names the [THINK] and
-# [/THINK] tags, calls are written as Mistral's v11+ tokenizers write them.
-MAGISTRAL_TEMPLATE = """\
-[SYSTEM_PROMPT]Think first, between [THINK] and [/THINK], then answer.[/SYSTEM_PROMPT]
-{%- for message in messages %}
-{%- if message.role == 'user' %}
-{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
-[INST]{{ message.content }}[/INST]
-{%- elif message.tool_calls %}
-{%- for call in message.tool_calls %}
-{{- '[TOOL_CALLS]' + call.function.name + '[ARGS]' + call.function.arguments | tojson }}
-{%- endfor %}</s>
-{%- else %}{{ message.content }}</s>
-{%- endif %}
-{%- endfor %}"""
-
+# A Magistral-style template: the system prompt names the [THINK] and [/THINK] tags, calls are
+# written as Mistral's v11+ tokenizers write them (test_tools' template).
+MAGISTRAL_TEMPLATE = "[SYSTEM_PROMPT]Think first, between [THINK] and [/THINK], then answer." \
+    "[/SYSTEM_PROMPT]\n" + MISTRAL_V11_TEMPLATE.replace("CALL_ID", "")
 
 def test_magistral_thinking_and_calls_through_the_server(pair_copy: Path) -> None:
     """[THINK] ... [/THINK] (special tokens, kept in decoded text) is read as reasoning and
