@@ -25,7 +25,8 @@ from .openai_api import APIError, ParsedRequest, error_body, parse_request
 from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_json
 from .openai_responses import SSE_DONE, ResponseShape, finish_reason, sse, tool_calls_json
 from .pair import GenerationConfig, GenerationResult
-from .reasoning import ReasoningFormat, Thinking
+from .prompting import reply_grammar
+from .reasoning import ReasoningFormat
 from .reply_reader import ReplyPart, ReplyReader
 from .server_http import Bridge, GenerationStream, read_json
 from .tool_calls import ToolFormat
@@ -114,7 +115,8 @@ def _chat_prompt(state: ServerState, parsed: ParsedRequest) -> _Fitted:
     request as it came (configs filled in by `_fit_all`)."""
     messages = cast(list[dict[str, Any]], parsed.prompt)  # chat: the checked messages
     tooled = parsed.kind == "chat" and bool(parsed.tools or has_tool_turns(messages))
-    if parsed.kind != "chat" or not (tooled or parsed.template_variables or state.reasoning):
+    if parsed.kind != "chat" or not (tooled or parsed.template_variables
+                                     or state.pair.prompts.reasoning):  # read apart or not
         return _Fitted(list(parsed.prompts), [parsed.config])
     tokenizer = state.pair.tokenizer
     plan = ToolPlan.for_tokenizer(tokenizer, parsed.tools) if tooled else None
@@ -132,11 +134,10 @@ def _chat_prompt(state: ServerState, parsed: ParsedRequest) -> _Fitted:
         raise APIError(400, "give either a tool_choice that forces calls or a structured-"
                             "output field (response_format, ...), not both",
                        param="tool_choice")
-    grammar = grammar or parsed.config.grammar
-    reasoning = state.reasoning
+    reasoning = state.reasoning  # None with --reasoning-format none: the thinking is content
     inside = reasoning is not None and reasoning.opened_by(text)
-    if grammar is not None and reasoning is not None and not state.options.constrain_thinking:
-        grammar = grammar.after(Thinking(reasoning, inside))  # the answer's grammar
+    grammar = reply_grammar(grammar or parsed.config.grammar, reasoning, text,
+                            state.options.constrain_thinking)
     return _Fitted([ids], [replace(parsed.config, grammar=grammar)],
                    plan.fmt if plan and plan.parses_calls else None, reasoning, inside)
 

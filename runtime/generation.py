@@ -56,6 +56,11 @@ class GenerationConfig:
         ignore_eos: eos tokens do not end the generation (benchmarks of fixed lengths).
         stop_token_ids: more tokens that end the generation, as eos does (kept in `tokens`,
             never in the text).
+        constrain_thinking: the grammar constrains a reasoning model's thinking too. By
+            default a chat the pair renders (messages, or a str prompt with `chat`) of a
+            reasoning model keeps its thinking free and the grammar holds for the answer after
+            it, as the server does (`prompting.reply_grammar`); a prompt of token ids is
+            decoded with the grammar as given.
     """
 
     max_new_tokens: int = 128
@@ -70,6 +75,7 @@ class GenerationConfig:
     grammar: Grammar | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    constrain_thinking: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or \
@@ -106,6 +112,9 @@ class GenerationConfig:
                              f"(the alternatives returned per token), got {n!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InputError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.constrain_thinking, bool):
+            raise InputError("constrain_thinking must be true or false, got "
+                             f"{self.constrain_thinking!r}")
         ids = self.stop_token_ids
         if not isinstance(ids, list | tuple) or len(ids) > 64 or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):

@@ -34,7 +34,6 @@ from .generation import (
     GenerationResult,
     Prompt,
     as_config,
-    prompt_ids,
     row_configs,
 )
 from .grammar import GrammarCompiler, GrammarState
@@ -51,6 +50,7 @@ from .prefix_cache import (
     kept_prefix,
     prompt_logprobs,
 )
+from .prompting import Prompts
 from .rounds import RowOutput, RowSampler
 from .speculative import decode
 from .stats import GenerationStats
@@ -87,9 +87,8 @@ class Pair:
         # A self-draft takes the prompt's keys and values from the target's prefill instead
         # of prefilling it again (`drafters.self_draft`; set False to prefill it).
         self.shares_prompt_kv = draft is not None and self_draft(target.spec, draft.spec)
-        # Chat template variables for every chat this pair renders (e.g. Qwen3's
-        # `enable_thinking`; `chat_template.template_variables`).
-        self.template_variables: dict[str, Any] = {}
+        # Prompts as ids; the reply's grammar after a reasoning model's thinking.
+        self.prompts = Prompts.of(tokenizer, manifest.vocab_size)
         # Why a listed TensorRT engine was not used, per model (empty when none was skipped).
         self.engine_notes: dict[str, str] = {}
         # What loading did about huge pages for the weights (see `hugepages`).
@@ -187,60 +186,27 @@ class Pair:
 
     # ------------------------------------------------------------------ prompts
 
+    @property
+    def template_variables(self) -> dict[str, Any]:
+        """Chat template variables for every chat this pair renders (e.g. Qwen3's
+        `enable_thinking`; `chat_template.template_variables`)."""
+        return self.prompts.template_variables
+
+    @template_variables.setter
+    def template_variables(self, value: dict[str, Any]) -> None:
+        self.prompts.template_variables = value
+
     def encode_prompt(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """Token ids of a plain prompt, or of chat messages rendered by the chat template (a
         prompt of token ids is checked and taken as it is)."""
-        if (given := prompt_ids(prompt)) is not None:
-            if chat:
-                raise InputError("a prompt of token ids does not go through the chat template; "
-                                 "send text or messages, or drop chat")
-            return self.check_ids(given)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InputError("the prompt is empty; pass some text")
-            if chat:
-                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}],
-                                                  variables=self.template_variables)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            ids = self.tokenizer.encode_chat(prompt,  # type: ignore[arg-type]  # messages here
-                                             variables=self.template_variables)
-        if not ids:
-            raise InputError("the prompt encodes to no tokens; pass some text")
-        return ids
+        return self.prompts.encode(prompt, chat=chat)
 
     def conversation_ids(self, prompt: Prompt, reply: str, *, chat: bool = False) -> list[int]:
-        """The tokens the next prompt of a conversation starts with, once `prompt` was answered
-        with `reply`, as a client re-sending the conversation will tokenize it: chat messages
-        (or a str prompt with `chat`) rendered by the chat template with the reply as the
-        assistant's message and no generation prompt (the next message follows), or a plain
-        prompt followed by the reply's text. What `prefill_ahead` takes (a reply's generated
-        tokens may differ from how its text tokenizes, "\n\n" as one token against two, say)."""
-        if (given := prompt_ids(prompt)) is not None:
-            return given + self.tokenizer.encode(reply)
-        if isinstance(prompt, str) and not chat:
-            return self.encode_prompt(prompt + reply)
-        messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
-                    else list(prompt))
-        ids = self.tokenizer.encode_chat([*messages, {"role": "assistant", "content": reply}],
-                                         add_generation_prompt=False,
-                                         variables=self.template_variables)
-        if not ids:
-            raise InputError("the conversation encodes to no tokens")
-        return ids
+        """See `Prompts.conversation_ids`: what `prefill_ahead` takes."""
+        return self.prompts.conversation_ids(prompt, reply, chat=chat)
 
     def check_ids(self, ids: Sequence[int]) -> list[int]:
-        vocab = self.manifest.vocab_size
-        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
-            raise InputError(f"expected a list of token ids, got {type(ids).__name__}")
-        out = []
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
-                raise InputError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-            out.append(int(t))
-        if not out:
-            raise InputError("the prompt has no tokens")
-        return out
+        return self.prompts.check_ids(ids)
 
     # ------------------------------------------------------------------ generation
 
@@ -379,7 +345,7 @@ class Pair:
         config = as_config(config)
         start = time.perf_counter()
         stats = stats if stats is not None else GenerationStats()
-        ids = self.encode_prompt(prompt, chat=config.chat)
+        ids, config = self.prompts.prepare(prompt, config)
         output = self.new_output(ids, config)
         return ids, output, _timed(self._decode(ids, config, stats, output), stats, start)
 
@@ -439,9 +405,9 @@ class Pair:
             raise InputError("generate_batch takes a non-empty list of prompts")
         start = time.perf_counter()
         configs = row_configs(len(prompts), configs)
-        ids_list = [self.encode_prompt(p, chat=c.chat) for p, c in zip(prompts, configs,
-                                                                        strict=True)]
-        return self._batch(ids_list, configs, compact, start, text=True)
+        prepared = [self.prompts.prepare(p, c) for p, c in zip(prompts, configs, strict=True)]
+        return self._batch([ids for ids, _ in prepared], [c for _, c in prepared], compact,
+                           start, text=True)
 
     def generate_batch_ids(self, prompt_ids: Sequence[Sequence[int]],
                            configs: GenerationConfig | Sequence[GenerationConfig] | None = None,

@@ -193,8 +193,7 @@ def create_app(pair: Pair, options: ServerOptions | None = None) -> Starlette:
                                num_draft_tokens=options.num_draft_tokens,
                                adaptive=options.adaptive, per_request_plan=not scheduler.batched,
                                template_variables=dict(options.template_variables))
-    reasoning = (ReasoningFormat.for_template(pair.tokenizer.chat_template)
-                 if options.reasoning_format == "auto" else None)
+    reasoning = pair.prompts.reasoning if options.reasoning_format == "auto" else None
     state = ServerState(pair, options, scheduler, metrics, defaults, reasoning)
 
     @asynccontextmanager

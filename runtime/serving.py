@@ -79,8 +79,7 @@ class ContinuousBatch:
 
     def submit(self, prompt: Prompt, config: GenerationConfig | None = None) -> int:
         """Queue a request; it joins the batch at the next round with a free slot."""
-        config = as_config(config)
-        return self.submit_ids(self.pair.encode_prompt(prompt, chat=config.chat), config)
+        return self.submit_ids(*self.pair.prompts.prepare(prompt, as_config(config)))
 
     def submit_ids(self, ids: Sequence[int], config: GenerationConfig | None = None) -> int:
         """`submit` for prompt token ids (as `Pair.generate_ids`)."""

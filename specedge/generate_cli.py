@@ -234,7 +234,8 @@ def _generate_with_tools(loaded: Pair, prompt: str, config: GenerationConfig, to
     reply streamed, or with --json its text, content and calls."""
     from specedge.runtime.errors import FieldError
     from specedge.runtime.prompts import read_text_file
-    from specedge.runtime.tool_calls import ToolOutput, ToolSet
+    from specedge.runtime.reply_reader import ReplyReader
+    from specedge.runtime.tool_calls import ToolSet
     from specedge.runtime.tool_prompt import ToolPlan
 
     try:
@@ -254,16 +255,21 @@ def _generate_with_tools(loaded: Pair, prompt: str, config: GenerationConfig, to
     if plan.grammar is not None and config.grammar is not None:
         raise InputError("give --json-schema/--regex/--grammar or a --tool-choice that forces "
                          "calls, not both")
-    ids = plan.prompt_ids(loaded.tokenizer, [{"role": "user", "content": prompt}])
-    config = dataclasses.replace(config, grammar=plan.grammar or config.grammar, chat=False)
+    messages = [{"role": "user", "content": prompt}]
+    text = plan.prompt_text(loaded.tokenizer, messages, loaded.template_variables)
+    ids, config = loaded.prompts.rendered(text, dataclasses.replace(
+        config, chat=False, grammar=plan.grammar or config.grammar))
     if not as_json:
         result = _stream(loaded, ids, config)
         if show_stats:
             _print_stats(result)
         return
     result = loaded.generate(ids, config)
-    found = plan.fmt.parse(result.text) if plan.parses_calls else ToolOutput(result.text)
-    click.echo(json_dumps({"text": result.text, "content": found.content,
+    reasoning = loaded.prompts.reasoning  # calls are read from the answer after the thinking
+    found = ReplyReader(plan.fmt if plan.parses_calls else None, reasoning,
+                        reasoning is not None and reasoning.opened_by(text)).read(result.text)
+    click.echo(json_dumps({"text": result.text, "content": found.content or None,
+                           **({"reasoning": found.reasoning or None} if reasoning else {}),
                            "tool_calls": [{"name": c.name, "arguments": c.arguments}
                                           for c in found.calls],
                            "tokens": result.tokens, "stop_reason": result.stop_reason,

@@ -51,6 +51,7 @@ class GenerationOptions:
     grammar: str | None = None  # Lark or GBNF, inline or a file's path
     min_tokens: int = 0
     ignore_eos: bool = False
+    constrain_thinking: bool = False
 
     def config(self, chat: bool) -> GenerationConfig:
         """The `GenerationConfig` (validated there: bad values raise InputError)."""
@@ -68,7 +69,8 @@ class GenerationOptions:
                                 num_draft_tokens=self.num_draft_tokens,
                                 drafter="none" if self.no_speculation else self.drafter,
                                 adaptive=self.adaptive, stop=self.stop, chat=chat,
-                                grammar=self._grammar(), ignore_eos=self.ignore_eos)
+                                grammar=self._grammar(), ignore_eos=self.ignore_eos,
+                                constrain_thinking=self.constrain_thinking)
 
     def _grammar(self) -> Grammar | None:
         from specedge.runtime.grammar import Grammar
@@ -141,4 +143,8 @@ generation_options = collect_options("generation", GenerationOptions, [
                  help="Structured output: text matching this regular expression."),
     click.option("--grammar", default=None, metavar="GRAMMAR|FILE",
                  help="Structured output: a Lark or llama.cpp GBNF grammar (inline or a file)."),
+    click.option("--constrain-thinking", is_flag=True,
+                 help="Structured output (and a forced --tool-choice) constrains a reasoning "
+                      "model's thinking too; by default, in a chat, it constrains the answer "
+                      "after the thinking, which stays free (as serve does)."),
 ])

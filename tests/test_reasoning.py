@@ -372,6 +372,30 @@ def thinking_tokens(pair_copy: Path, request: pytest.FixtureRequest) -> tuple[Pa
     return Pair.load(pair_copy), opening, closing
 
 
+def _steered(thinking: tuple[Pair, int, int], grammar: Any, variables: dict[str, Any],
+             inside: bool) -> tuple[list[dict[str, str]], dict[int, float], Any]:
+    """A question, and a logit bias on the think tags, whose greedy target-only reply with
+    `grammar` after the thinking (the prompt rendered with `variables`; `inside`: it opens the
+    block) thinks and then answers: (messages, biases, the reply's split). The random model
+    thinks on to the token budget unbiased; this takes the first question and least bias on
+    the close tag that end the thinking after some of it."""
+    from specedge.runtime.reasoning import Thinking
+    from specedge.runtime.sampling import SamplingParams
+
+    pair, opening, closing = thinking
+    config = GenerationConfig(max_new_tokens=48, drafter="none",
+                              grammar=grammar.after(Thinking(THINK, inside)))
+    for question, bias in itertools.product(QUESTIONS, [x / 4 for x in range(24)]):
+        messages = [{"role": "user", "content": question}]
+        biases = {opening: 50.0, closing: bias}
+        ids = pair.tokenizer.encode_chat(messages, variables=variables)
+        want = THINK.split(pair.generate(ids, replace(config, sampling=SamplingParams(
+            temperature=0, logit_bias=biases))).text, inside)
+        if want.reasoning and want.content:
+            return messages, biases, want
+    raise AssertionError(f"no question and bias made the model think, then answer {variables}")
+
+
 def test_structured_output_constrains_the_answer_not_the_thinking(
         thinking_tokens: tuple[Pair, int, int]) -> None:
     """Through the server (speculative, greedy): `response_format` and `structured_outputs`
@@ -380,8 +404,6 @@ def test_structured_output_constrains_the_answer_not_the_thinking(
     the grammar on the whole reply. A logit bias on the tags steers the random model into
     thinking and out of it."""
     from specedge.runtime.grammar import Grammar
-    from specedge.runtime.reasoning import Thinking
-    from specedge.runtime.sampling import SamplingParams
 
     pair, opening, closing = thinking_tokens
     model = pair.manifest.root.name
@@ -393,19 +415,7 @@ def test_structured_output_constrains_the_answer_not_the_thinking(
                  "name": "choice", "schema": CHOICE}}}, Grammar.json_schema(CHOICE))]
     with running(create_app(pair, ServerOptions(max_tokens_limit=48))) as url:
         for variables, inside, field, grammar in cases:
-            config = GenerationConfig(max_new_tokens=48, drafter="none",
-                                      grammar=grammar.after(Thinking(THINK, inside)))
-            # The first question and least bias on the close tag that end the thinking
-            # after some of it (the random model thinks on to max_tokens unbiased).
-            for question, bias in itertools.product(QUESTIONS, [x / 4 for x in range(24)]):
-                messages = [{"role": "user", "content": question}]
-                biases = {opening: 50.0, closing: bias}
-                ids = pair.tokenizer.encode_chat(messages, variables=variables)
-                want = THINK.split(pair.generate(ids, replace(config, sampling=SamplingParams(
-                    temperature=0, logit_bias=biases))).text, inside)
-                if want.reasoning and want.content:
-                    break
-            assert want.reasoning and want.content, variables
+            messages, biases, want = _steered(thinking_tokens, grammar, variables, inside)
             reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
                 "model": model, "messages": messages, "temperature": 0, "max_tokens": 48,
                 "logit_bias": {str(t): b for t, b in biases.items()},
@@ -426,6 +436,63 @@ def test_structured_output_constrains_the_answer_not_the_thinking(
             "structured_outputs": {"regex": ANSWER}}).json()
     message = reply["choices"][0]["message"]  # the whole reply matched: all thinking
     assert message["content"] is None and re.fullmatch(ANSWER, message["reasoning_content"])
+
+
+def test_a_chat_the_pair_renders_keeps_the_thinking_free_as_the_server_does(
+        thinking_tokens: tuple[Pair, int, int], concat_dir: Path, tmp_path: Path) -> None:
+    """`Pair.generate`/`stream`/`generate_batch` with messages (or a str with `chat`) and
+    `generate --chat` put a grammar after a reasoning model's thinking, as the server does
+    (before, the grammar held from the reply's first token and the model could not think):
+    greedy speculative output equals target-only decoding with the grammar after the
+    thinking, token for token; `constrain_thinking` (`--constrain-thinking`) puts it on the
+    whole reply; a prompt of token ids keeps the grammar as given."""
+    from click.testing import CliRunner
+
+    from specedge.runtime.grammar import Grammar
+    from specedge.runtime.sampling import SamplingParams
+    from specedge.runtime.serving import ContinuousBatch
+
+    from .test_cli import generate_json
+    from .test_hardening import copy_pair
+
+    pair = thinking_tokens[0]
+    grammar = Grammar("regex", ANSWER)
+    messages, biases, want = _steered(thinking_tokens, grammar, {}, False)
+    config = GenerationConfig(max_new_tokens=48, grammar=grammar, sampling=SamplingParams(
+        temperature=0, logit_bias=biases))
+    for drafter in ("model", "ngram"):
+        spec = replace(config, drafter=drafter)
+        got = pair.generate(messages, spec)
+        assert THINK.split(got.text) == want, drafter
+        assert THINK.split("".join(pair.stream(messages, spec))) == want
+        assert pair.generate(messages[0]["content"], replace(spec, chat=True)).tokens == \
+            got.tokens
+    concat = copy_pair(concat_dir, tmp_path / "concat")  # batches: the concat graph form
+    (concat / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    rehash(concat, "chat_template.jinja")
+    assert think_tokens(concat) == thinking_tokens[1:]  # the same tokenizer's ids
+    batched = Pair.load(concat)
+    rows = [messages, [{"role": "user", "content": QUESTIONS[-1]}]]
+    solo = [batched.generate(m, replace(config, drafter="none")) for m in rows]
+    batch = batched.generate_batch(rows, replace(config, drafter="model"))
+    assert [r.tokens for r in batch.results] == [r.tokens for r in solo]
+    server = ContinuousBatch(batched, capacity=2, drafter="model")
+    ids = [server.submit(m, config) for m in rows]
+    done = server.run()
+    assert [done[i].tokens for i in ids] == [r.tokens for r in solo]
+    assert THINK.split(solo[0].text).reasoning  # the rows thought
+    whole = pair.generate(messages, replace(config, constrain_thinking=True))
+    assert re.fullmatch(ANSWER, whole.text)  # no thinking: the grammar held from the start
+    ids = pair.tokenizer.encode_chat(messages)
+    assert pair.generate(ids, config).tokens == whole.tokens  # ids: the grammar as given
+    bias_args = [a for t, b in biases.items() for a in ("--logit-bias", f"{t}={b}")]
+    args = [messages[0]["content"], "--chat", "--regex", ANSWER, "--max-new-tokens", "48",
+            *bias_args]
+    folder = pair.manifest.root
+    out = generate_json(CliRunner(), folder, *args)
+    assert THINK.split(out["text"]) == want
+    assert generate_json(CliRunner(), folder, *args, "--constrain-thinking")["tokens"] == \
+        whole.tokens
 
 
 # A Magistral-style template: the system prompt names the [THINK] and [/THINK] tags, calls are
