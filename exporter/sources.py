@@ -228,7 +228,8 @@ def check_chat_template(text: str, where: str, fix: str) -> None:
     """
     import jinja2
 
-    from specedge.runtime.chat_template import ChatTemplate, environment
+    from specedge.runtime.chat_template import ChatTemplate
+    from specedge.runtime.template_sandbox import environment
 
     try:
         environment().parse(text)  # the sandbox the runtime renders it in

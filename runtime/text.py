@@ -419,9 +419,9 @@ class Tokenizer:
 
         The template runs in a sandboxed, immutable jinja environment with `messages`,
         `add_generation_prompt`, `bos_token`, `eos_token` and `raise_exception`, bounded to
-        `RENDER_SECONDS`, `RENDER_STEPS` and `max_chars` characters for any value and for the
-        output. Encode the result with `add_special_tokens=False` (it already holds any BOS
-        text).
+        `template_sandbox.RENDER_SECONDS`, `RENDER_STEPS` and `max_chars` characters for any
+        value and for the output. Encode the result with `add_special_tokens=False` (it
+        already holds any BOS text).
 
         Args:
             messages: A non-empty sequence of `{"role": str, "content": str}` mappings (other

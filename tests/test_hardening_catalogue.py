@@ -38,7 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specedge.cli import main
-from specedge.runtime import chat_template
+from specedge.runtime import template_sandbox
 from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.files import sha256_file
 from specedge.runtime.manifest import MANIFEST_NAME
@@ -757,8 +757,8 @@ _PIECES = st.sampled_from([
 def test_fuzz_hostile_templates(fuzz_pair: Path, monkeypatch: pytest.MonkeyPatch,
                                 pieces: list[str], n: int, content: str) -> None:
     # Smaller limits than the defaults keep the run short; the same checks stop a render.
-    monkeypatch.setattr(chat_template, "RENDER_STEPS", 50_000)
-    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(template_sandbox, "RENDER_STEPS", 50_000)
+    monkeypatch.setattr(template_sandbox, "RENDER_SECONDS", 0.5)
     tok = Tokenizer.from_folder(_template_folder(fuzz_pair))
     tok._chat_template = "{% set x = 'a' * 50 %}" + "".join(pieces).replace("N", str(n))
     tok._compiled_template = None
