@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .adaptive import AdaptiveK, TunerStore
+from .adaptive import AdaptiveK
 from .backend import OrtModel
 from .batch import RowRequest, decode_batch
 from .drafters import build_drafter, draft_model_cache, self_draft
@@ -55,6 +55,7 @@ from .rounds import RowOutput, RowSampler
 from .speculative import decode
 from .stats import GenerationStats
 from .text import Tokenizer
+from .tuner_store import TunerStore
 
 __all__ = ["DRAFTER_CHOICES", "BatchResult", "GenerationConfig", "GenerationResult", "Pair",
            "Prompt", "ThreadPlan", "as_config", "load_model", "plan_threads"]
