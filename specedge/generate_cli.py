@@ -27,6 +27,7 @@ from specedge.runtime.logprobs import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
+    from specedge.runtime.tool_calls import ToolFormat
 
 
 def _print_stats(result: GenerationResult) -> None:
@@ -228,13 +229,32 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
                                 for k, v in summary.items()), err=True)
 
 
+def _reply_fields(loaded: Pair, rendered: str, text: str, tools: ToolFormat | None,
+                  calls: bool) -> dict[str, Any]:
+    """A chat reply as the server returns it (`runtime/reply_reader`): a reasoning model's
+    thinking apart as `reasoning`, the answer as `content`, and with `calls` the calls in
+    `tools`' format read from the answer (none when `tools` is None: a template that takes
+    tools but writes no format known here). `rendered`: the prompt, which may have opened the
+    thinking block."""
+    from specedge.runtime.reply_reader import ReplyReader
+
+    reasoning = loaded.prompts.reasoning
+    found = ReplyReader(tools, reasoning,
+                        reasoning is not None and reasoning.opened_by(rendered)).read(text)
+    out: dict[str, Any] = {"content": found.content or None}
+    if reasoning is not None:
+        out["reasoning"] = found.reasoning or None
+    if calls:
+        out["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in found.calls]
+    return out
+
+
 def _generate_with_tools(loaded: Pair, prompt: str, config: GenerationConfig, tools_file: Path,
                          tool_choice: str | None, as_json: bool, show_stats: bool) -> None:
     """PROMPT as a user turn offered the tools of `tools_file` (as the server's `tools`): the
     reply streamed, or with --json its text, content and calls."""
     from specedge.runtime.errors import FieldError
     from specedge.runtime.prompts import read_text_file
-    from specedge.runtime.reply_reader import ReplyReader
     from specedge.runtime.tool_calls import ToolSet
     from specedge.runtime.tool_prompt import ToolPlan
 
@@ -265,13 +285,9 @@ def _generate_with_tools(loaded: Pair, prompt: str, config: GenerationConfig, to
             _print_stats(result)
         return
     result = loaded.generate(ids, config)
-    reasoning = loaded.prompts.reasoning  # calls are read from the answer after the thinking
-    found = ReplyReader(plan.fmt if plan.parses_calls else None, reasoning,
-                        reasoning is not None and reasoning.opened_by(text)).read(result.text)
-    click.echo(json_dumps({"text": result.text, "content": found.content or None,
-                           **({"reasoning": found.reasoning or None} if reasoning else {}),
-                           "tool_calls": [{"name": c.name, "arguments": c.arguments}
-                                          for c in found.calls],
+    click.echo(json_dumps({"text": result.text,
+                           **_reply_fields(loaded, text, result.text,
+                                           plan.fmt if plan.parses_calls else None, True),
                            "tokens": result.tokens, "stop_reason": result.stop_reason,
                            "stats": result.stats.to_dict(), **_logprobs(loaded, result)}))
 
@@ -328,7 +344,12 @@ def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load
     assert prompt is not None
     if as_json:
         result = loaded.generate(prompt, config)
-        click.echo(json_dumps({"text": result.text, "tokens": result.tokens,
+        read = {}  # a reasoning model's chat: its thinking and answer apart, as serve's
+        if chat and loaded.prompts.reasoning is not None:
+            rendered = loaded.tokenizer.render_chat([{"role": "user", "content": prompt}],
+                                                    variables=loaded.template_variables)
+            read = _reply_fields(loaded, rendered, result.text, None, False)
+        click.echo(json_dumps({"text": result.text, **read, "tokens": result.tokens,
                                "stop_reason": result.stop_reason,
                                "stats": result.stats.to_dict(), **_logprobs(loaded, result)}))
         return

@@ -445,12 +445,16 @@ def test_a_chat_the_pair_renders_keeps_the_thinking_free_as_the_server_does(
     (before, the grammar held from the reply's first token and the model could not think):
     greedy speculative output equals target-only decoding with the grammar after the
     thinking, token for token; `constrain_thinking` (`--constrain-thinking`) puts it on the
-    whole reply; a prompt of token ids keeps the grammar as given."""
+    whole reply; a prompt of token ids keeps the grammar as given. `--json` gives the thinking
+    and the answer apart (and `--tools` the calls read from the answer), as the server does."""
     from click.testing import CliRunner
 
     from specedge.runtime.grammar import Grammar
+    from specedge.runtime.reasoning import Thinking
     from specedge.runtime.sampling import SamplingParams
     from specedge.runtime.serving import ContinuousBatch
+    from specedge.runtime.tool_calls import ToolSet
+    from specedge.runtime.tool_prompt import ToolPlan
 
     from .test_cli import generate_json
     from .test_hardening import copy_pair
@@ -491,6 +495,22 @@ def test_a_chat_the_pair_renders_keeps_the_thinking_free_as_the_server_does(
     folder = pair.manifest.root
     out = generate_json(CliRunner(), folder, *args)
     assert THINK.split(out["text"]) == want
+    assert (out["reasoning"], out["content"]) == (want.reasoning, want.content)  # as serve's
+    tools_file = tmp_path / "tools.json"  # a forced call after the same free thinking
+    tools_file.write_text(json.dumps([CLOCK]))
+    called = generate_json(CliRunner(), folder, messages[0]["content"], "--tools",
+                           str(tools_file), "--tool-choice", "time", "--max-new-tokens", "200",
+                           *bias_args)
+    plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(
+        [CLOCK], {"type": "function", "function": {"name": "time"}}))
+    assert plan.grammar is not None
+    solo = pair.generate(pair.tokenizer.encode_rendered(plan.prompt_text(
+        pair.tokenizer, messages)), replace(config, max_new_tokens=200, drafter="none",
+                                            grammar=plan.grammar.after(Thinking(THINK))))
+    read = ReplyReader(plan.fmt, THINK).read(solo.text)
+    assert called["tokens"] == solo.tokens and read.reasoning and read.calls
+    assert (called["reasoning"], called["content"]) == (read.reasoning, None)
+    assert [c["name"] for c in called["tool_calls"]] == ["time"]
     assert generate_json(CliRunner(), folder, *args, "--constrain-thinking")["tokens"] == \
         whole.tokens
 
