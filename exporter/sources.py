@@ -25,12 +25,12 @@ from typing import Any
 
 from specedge.runtime.errors import ExportError, InputError
 from specedge.runtime.files import sha256_file
+from specedge.runtime.tokenizer_files import TOKENIZER_FILES
 
 from .checkpoint import check_loading_info
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "tokenizer*"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 @dataclass(frozen=True)
