@@ -27,6 +27,8 @@ from specedge.runtime.logprobs import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from specedge.runtime.pair import GenerationConfig, GenerationResult, Pair
+    from specedge.runtime.reasoning import ReasoningFormat
+    from specedge.runtime.reply_reader import ReplyPart, ReplyReader
     from specedge.runtime.tool_calls import ToolFormat
 
 
@@ -49,15 +51,37 @@ def _print_stats(result: GenerationResult) -> None:
     print_table(new_table("statistics", ("", ""), rows, show_header=False), stderr=True)
 
 
-def _stream(loaded: Pair, prompt: Any, config: GenerationConfig) -> GenerationResult:
-    """Echo the deltas of one generation as they come; returns its result."""
+def _stream(loaded: Pair, prompt: Any, config: GenerationConfig,
+            reader: ReplyReader | None = None) -> GenerationResult:
+    """Echo the deltas of one generation as they come; returns its result. With `reader` (a
+    reasoning model's chat), the thinking is echoed dim and the answer after it on a line of
+    its own, each as `reader` reads it (`ReplyPart`s: the tags and the whitespace around them
+    dropped, as the server gives them)."""
     gen = loaded.stream(prompt, config)
+    shown = {"reasoning": False, "content": False}
+
+    def echo(part: ReplyPart) -> None:
+        if part.reasoning:
+            click.echo(click.style(part.reasoning, dim=True), nl=False)
+            shown["reasoning"] = True
+        if part.content:
+            if shown["reasoning"] and not shown["content"]:
+                click.echo("\n")
+            click.echo(part.content, nl=False)
+            shown["content"] = True
+
     while True:
         try:
-            click.echo(next(gen), nl=False)
+            delta = next(gen)
         except StopIteration as done:
+            if reader is not None:
+                echo(reader.finish())
             click.echo()
             return done.value  # type: ignore[no-any-return]
+        if reader is None:
+            click.echo(delta, nl=False)
+        else:
+            echo(reader.feed(delta))
 
 
 _ROW_KEYS = {"prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "min_p",
@@ -374,6 +398,7 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
     When the conversation outgrows the context, the oldest exchanges are dropped (and named on
     stderr); a turn that fails prints its error and the conversation goes on.
     """
+    from specedge.runtime.reply_reader import ReplyReader
     from specedge.runtime.text import check_text
 
     if sys.stdin is None:
@@ -399,19 +424,48 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
         try:
             kept, dropped = _fit_context(loaded, head, turns + [
                 {"role": "user", "content": line}], config)
-            result = _stream(loaded, head + kept, config)
+            thinking = _thinking(loaded, head + kept)
+            result = _stream(loaded, head + kept, config,
+                             ReplyReader(None, *thinking) if thinking else None)
         except SpecEdgeError as exc:
             click.echo(f"error: {one_line(str(exc))}", err=True)
             continue  # the conversation is as it was before this turn (nothing dropped)
         if dropped:  # only once the turn has happened: a failed turn drops nothing
             click.echo(_dropped_note(dropped, loaded.plan(config).limit), err=True)
-        turns = kept + [{"role": "assistant", "content": result.text}]
+        turns = kept + [_assistant_turn(result.text, thinking)]
         if show_stats:
             _print_stats(result)
         try:  # while the user reads: the next turn starts with this conversation
             loaded.prefill_ahead(loaded.conversation_ids(head + kept, result.text))
         except SpecEdgeError as exc:
             click.echo(f"error: {one_line(str(exc))}", err=True)
+
+
+def _thinking(loaded: Pair, messages: list[dict[str, str]]
+              ) -> tuple[ReasoningFormat, bool] | None:
+    """A reasoning model's format, and whether the prompt of `messages` opens its thinking
+    block (None: not a reasoning model)."""
+    reasoning = loaded.prompts.reasoning
+    if reasoning is None:
+        return None
+    rendered = loaded.tokenizer.render_chat(messages, variables=loaded.template_variables)
+    return reasoning, reasoning.opened_by(rendered)
+
+
+def _assistant_turn(text: str, thinking: tuple[ReasoningFormat, bool] | None
+                    ) -> dict[str, str]:
+    """The reply as the conversation's next assistant message: a reasoning model's answer as
+    `content` and its thinking as `reasoning_content`, as clients send them back to a server
+    (a reasoning template renders or drops earlier thinking itself); the whole text otherwise."""
+    from specedge.runtime.reply_reader import ReplyReader
+
+    if thinking is None:
+        return {"role": "assistant", "content": text}
+    part = ReplyReader(None, *thinking).read(text)
+    turn = {"role": "assistant", "content": part.content}
+    if part.reasoning:
+        turn["reasoning_content"] = part.reasoning
+    return turn
 
 
 def _fit_context(loaded: Pair, head: list[dict[str, str]], turns: list[dict[str, str]],

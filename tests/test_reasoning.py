@@ -449,6 +449,7 @@ def test_a_chat_the_pair_renders_keeps_the_thinking_free_as_the_server_does(
     and the answer apart (and `--tools` the calls read from the answer), as the server does."""
     from click.testing import CliRunner
 
+    from specedge.cli import main
     from specedge.runtime.grammar import Grammar
     from specedge.runtime.reasoning import Thinking
     from specedge.runtime.sampling import SamplingParams
@@ -501,6 +502,21 @@ def test_a_chat_the_pair_renders_keeps_the_thinking_free_as_the_server_does(
     called = generate_json(CliRunner(), folder, messages[0]["content"], "--tools",
                            str(tools_file), "--tool-choice", "time", "--max-new-tokens", "200",
                            *bias_args)
+    # `chat`: the thinking shown before the answer, and kept in the history as clients send it
+    # back (`reasoning_content`): the second turn is the pair's reply to that conversation.
+    again = "Name a colour."
+    talk = CliRunner().invoke(main, ["chat", str(folder), "--regex", ANSWER,
+                                     "--max-new-tokens", "48", *bias_args],
+                              input=f"{messages[0]['content']}\n{again}\n")
+    assert talk.exit_code == 0, talk.output
+    history = [*messages, {"role": "assistant", "content": want.content,
+                           "reasoning_content": want.reasoning},
+               {"role": "user", "content": again}]
+    second = THINK.split(pair.generate(history, config).text)
+    shown = [want, second]  # each reply: its thinking, then the answer on a line of its own
+    assert talk.stdout == "> " + "".join(
+        (split.reasoning or "") + ("\n\n" if split.reasoning and split.content else "")
+        + (split.content or "") + "\n> " for split in shown)
     plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(
         [CLOCK], {"type": "function", "function": {"name": "time"}}))
     assert plan.grammar is not None
