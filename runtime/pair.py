@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +202,8 @@ class Pair:
         prompt of token ids is checked and taken as it is)."""
         return self.prompts.encode(prompt, chat=chat)
 
-    def conversation_ids(self, prompt: Prompt, reply: str, *, chat: bool = False) -> list[int]:
+    def conversation_ids(self, prompt: Prompt, reply: str | Mapping[str, Any], *,
+                         chat: bool = False) -> list[int]:
         """See `Prompts.conversation_ids`: what `prefill_ahead` takes."""
         return self.prompts.conversation_ids(prompt, reply, chat=chat)
 

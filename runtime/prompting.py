@@ -10,7 +10,7 @@ server (`runtime/completions`), `Pair.generate` and the command line take this o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -86,21 +86,25 @@ class Prompts:
             raise InputError("the prompt encodes to no tokens; pass some text")
         return ids
 
-    def conversation_ids(self, prompt: Prompt, reply: str, *, chat: bool = False) -> list[int]:
+    def conversation_ids(self, prompt: Prompt, reply: str | Mapping[str, Any], *,
+                         chat: bool = False) -> list[int]:
         """The tokens the next prompt of a conversation starts with, once `prompt` was answered
         with `reply`, as a client re-sending the conversation will tokenize it: chat messages
         (or a str prompt with `chat`) rendered by the chat template with the reply as the
-        assistant's message and no generation prompt (the next message follows), or a plain
-        prompt followed by the reply's text. What `Pair.prefill_ahead` takes (a reply's
+        assistant's message (its text, or the message itself: a reasoning model's answer with
+        its `reasoning_content`, say) and no generation prompt (the next message follows), or
+        a plain prompt followed by the reply's text. What `Pair.prefill_ahead` takes (a reply's
         generated tokens may differ from how its text tokenizes, "\\n\\n" as one token against
         two, say)."""
+        message = {"role": "assistant", "content": reply} if isinstance(reply, str) else reply
+        text = str(message.get("content") or "")
         if (given := prompt_ids(prompt)) is not None:
-            return given + self.tokenizer.encode(reply)
+            return given + self.tokenizer.encode(text)
         messages = self._messages(prompt, chat)
         if messages is None:
             assert isinstance(prompt, str)
-            return self.encode(prompt + reply)
-        ids = self.tokenizer.encode_chat([*messages, {"role": "assistant", "content": reply}],
+            return self.encode(prompt + text)
+        ids = self.tokenizer.encode_chat([*messages, message],
                                          add_generation_prompt=False,
                                          variables=self.template_variables)
         if not ids:

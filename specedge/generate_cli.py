@@ -432,11 +432,12 @@ def chat(pair: Path, generation: GenerationOptions, load: LoadOptions, system: s
             continue  # the conversation is as it was before this turn (nothing dropped)
         if dropped:  # only once the turn has happened: a failed turn drops nothing
             click.echo(_dropped_note(dropped, loaded.plan(config).limit), err=True)
-        turns = kept + [_assistant_turn(result.text, thinking)]
+        reply = _assistant_turn(result.text, thinking)
+        turns = kept + [reply]
         if show_stats:
             _print_stats(result)
         try:  # while the user reads: the next turn starts with this conversation
-            loaded.prefill_ahead(loaded.conversation_ids(head + kept, result.text))
+            loaded.prefill_ahead(loaded.conversation_ids(head + kept, reply))
         except SpecEdgeError as exc:
             click.echo(f"error: {one_line(str(exc))}", err=True)
 

@@ -513,6 +513,8 @@ def test_a_chat_the_pair_renders_keeps_the_thinking_free_as_the_server_does(
                            "reasoning_content": want.reasoning},
                {"role": "user", "content": again}]
     second = THINK.split(pair.generate(history, config).text)
+    ahead = pair.conversation_ids(messages, history[1])  # what `chat` prefills while you read
+    assert pair.encode_prompt(history)[:len(ahead)] == ahead
     shown = [want, second]  # each reply: its thinking, then the answer on a line of its own
     assert talk.stdout == "> " + "".join(
         (split.reasoning or "") + ("\n\n" if split.reasoning and split.content else "")
