@@ -56,11 +56,18 @@ class Prompts:
                 ) -> tuple[list[int], GenerationConfig]:
         """The prompt's ids and the config its reply decodes with (`reply_grammar` for a
         chat this renders; `config` as it is otherwise)."""
-        messages = self._messages(prompt, config.chat)
-        if messages is None:
+        text = self.chat_text(prompt, config.chat)
+        if text is None:
             return self.encode(prompt, chat=config.chat), config
-        return self.rendered(self.tokenizer.render_chat(
-            messages, variables=self.template_variables), config)
+        return self.rendered(text, config)
+
+    def chat_text(self, prompt: Prompt, chat: bool = False) -> str | None:
+        """The prompt as the chat template renders it, for chat messages (or a str with
+        `chat`); None for a plain prompt or token ids."""
+        messages = self._messages(prompt, chat)
+        if messages is None:
+            return None
+        return self.tokenizer.render_chat(messages, variables=self.template_variables)
 
     def rendered(self, text: str, config: GenerationConfig) -> tuple[list[int], GenerationConfig]:
         """`prepare` for a chat prompt already rendered by the chat template (with tools, say:

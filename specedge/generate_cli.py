@@ -233,7 +233,10 @@ def _generate_batch(loaded: Pair, batch_file: Path, config: GenerationConfig, sh
     result = loaded.generate_batch(rows.prompts, rows.configs)
     for i, row in enumerate(result.results):
         if as_json:
-            click.echo(json_dumps({"row": i, "text": row.text, "tokens": row.tokens,
+            click.echo(json_dumps({"row": i, "text": row.text,
+                                   **_chat_fields(loaded, rows.prompts[i],
+                                                  rows.configs[i].chat, row.text),
+                                   "tokens": row.tokens,
                                    "stop_reason": row.stop_reason,
                                    "stats": row.stats.to_dict(), **_logprobs(loaded, row)}))
         else:
@@ -271,6 +274,15 @@ def _reply_fields(loaded: Pair, rendered: str, text: str, tools: ToolFormat | No
     if calls:
         out["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in found.calls]
     return out
+
+
+def _chat_fields(loaded: Pair, prompt: Any, chat: bool, text: str) -> dict[str, Any]:
+    """`_reply_fields` of a reasoning model's reply to a chat prompt (messages, or a str with
+    `chat`); {} for a plain model or prompt."""
+    if loaded.prompts.reasoning is None:
+        return {}
+    rendered = loaded.prompts.chat_text(prompt, chat)
+    return {} if rendered is None else _reply_fields(loaded, rendered, text, None, False)
 
 
 def _generate_with_tools(loaded: Pair, prompt: str, config: GenerationConfig, tools_file: Path,
@@ -368,12 +380,9 @@ def generate(pair: Path, prompt: str | None, generation: GenerationOptions, load
     assert prompt is not None
     if as_json:
         result = loaded.generate(prompt, config)
-        read = {}  # a reasoning model's chat: its thinking and answer apart, as serve's
-        if chat and loaded.prompts.reasoning is not None:
-            rendered = loaded.tokenizer.render_chat([{"role": "user", "content": prompt}],
-                                                    variables=loaded.template_variables)
-            read = _reply_fields(loaded, rendered, result.text, None, False)
-        click.echo(json_dumps({"text": result.text, **read, "tokens": result.tokens,
+        click.echo(json_dumps({"text": result.text,
+                               **_chat_fields(loaded, prompt, chat, result.text),
+                               "tokens": result.tokens,
                                "stop_reason": result.stop_reason,
                                "stats": result.stats.to_dict(), **_logprobs(loaded, result)}))
         return
@@ -449,7 +458,8 @@ def _thinking(loaded: Pair, messages: list[dict[str, str]]
     reasoning = loaded.prompts.reasoning
     if reasoning is None:
         return None
-    rendered = loaded.tokenizer.render_chat(messages, variables=loaded.template_variables)
+    rendered = loaded.prompts.chat_text(messages)
+    assert rendered is not None  # messages
     return reasoning, reasoning.opened_by(rendered)
 
 

@@ -486,6 +486,16 @@ def test_a_chat_the_pair_renders_keeps_the_thinking_free_as_the_server_does(
     done = server.run()
     assert [done[i].tokens for i in ids] == [r.tokens for r in solo]
     assert THINK.split(solo[0].text).reasoning  # the rows thought
+    rows_file = tmp_path / "rows.jsonl"  # `generate --batch --json`: each row read apart
+    rows_file.write_text("".join(json.dumps({
+        "messages": m, "max_new_tokens": 48, "logit_bias": {str(t): b for t, b in biases.items()},
+        "structured_outputs": {"regex": ANSWER}}) + "\n" for m in rows))
+    printed = CliRunner().invoke(main, ["generate", str(concat), "--batch", str(rows_file),
+                                        "--json"])
+    assert printed.exit_code == 0, printed.output
+    got_rows = [json.loads(line) for line in printed.stdout.splitlines()][:-1]
+    assert [(r["reasoning"], r["content"]) for r in got_rows] == [
+        (split.reasoning, split.content) for split in (THINK.split(r.text) for r in solo)]
     whole = pair.generate(messages, replace(config, constrain_thinking=True))
     assert re.fullmatch(ANSWER, whole.text)  # no thinking: the grammar held from the start
     ids = pair.tokenizer.encode_chat(messages)
