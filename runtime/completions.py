@@ -23,7 +23,15 @@ from .jobs import Delta, Failed, Finished, Job, QueueFull
 from .logprobs import TokenLogprob
 from .openai_api import APIError, ParsedRequest, error_body, parse_request
 from .openai_logprobs import echo_logprobs_json, join_logprobs_json, logprobs_json
-from .openai_responses import SSE_DONE, ResponseShape, finish_reason, sse, tool_calls_json
+from .openai_messages import messages_field
+from .openai_responses import (
+    SSE_DONE,
+    ResponseShape,
+    assistant_message,
+    finish_reason,
+    sse,
+    tool_calls_json,
+)
 from .pair import GenerationConfig, GenerationResult
 from .prompting import reply_grammar
 from .reasoning import ReasoningFormat
@@ -85,13 +93,16 @@ async def complete(request: Request, state: ServerState, kind: str) -> Response:
 class _Fitted:
     """A request's prompts as submitted (a chat rendered here: tools, template variables or
     a reasoning model, as its ids), each one's config, and how its replies are read: for tool
-    calls (`tools`) and thinking (`reasoning`; `inside`: the prompt opened the block)."""
+    calls (`tools`) and thinking (`reasoning`; `inside`: the prompt opened the block), and for
+    a chat rendered here, how the conversation goes on (`follow`)."""
 
     prompts: list[Prompt]
     configs: list[GenerationConfig]
     tools: ToolFormat | None = None
     reasoning: ReasoningFormat | None = None
     inside: bool = False
+    # A chat rendered here: the ids its next prompt starts with, given a reply (`Job.follow`).
+    follow: Callable[[str], list[int]] | None = None
 
     def reader(self) -> ReplyReader | None:
         """A reader of one reply (None: its text is returned as it is)."""
@@ -120,9 +131,17 @@ def _chat_prompt(state: ServerState, parsed: ParsedRequest) -> _Fitted:
         return _Fitted(list(parsed.prompts), [parsed.config])
     tokenizer = state.pair.tokenizer
     plan = ToolPlan.for_tokenizer(tokenizer, parsed.tools) if tooled else None
+    variables = parsed.template_variables
+
+    def render(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if plan:
+            return plan.prompt_text(tokenizer, messages, variables,
+                                    add_generation_prompt=add_generation_prompt)
+        return tokenizer.render_chat(messages, variables=variables,
+                                     add_generation_prompt=add_generation_prompt)
+
     try:
-        text = plan.prompt_text(tokenizer, messages, parsed.template_variables) if plan \
-            else tokenizer.render_chat(messages, variables=parsed.template_variables)
+        text = render(messages)
         ids = tokenizer.encode_rendered(text)
     except InputError as exc:  # the template refuses the conversation, tools or variables
         raise APIError(400, state.public(str(exc)), param="messages") from None
@@ -138,8 +157,19 @@ def _chat_prompt(state: ServerState, parsed: ParsedRequest) -> _Fitted:
     inside = reasoning is not None and reasoning.opened_by(text)
     grammar = reply_grammar(grammar or parsed.config.grammar, reasoning, text,
                             state.options.constrain_thinking)
-    return _Fitted([ids], [replace(parsed.config, grammar=grammar)],
-                   plan.fmt if plan and plan.parses_calls else None, reasoning, inside)
+    fitted = _Fitted([ids], [replace(parsed.config, grammar=grammar)],
+                     plan.fmt if plan and plan.parses_calls else None, reasoning, inside)
+
+    def follow(reply: str) -> list[int]:
+        """The conversation with `reply` as the response returns it, rendered as this server
+        renders a client's re-sent conversation: what the next prompt starts with (an idle
+        server prefills it ahead; appending the reply's tokens would not match a template that
+        renders the thinking or calls its own way, or drops earlier thinking, as Qwen3's)."""
+        message = messages_field([assistant_message(reply, _read(fitted, reply))])[0]
+        return tokenizer.encode_rendered(render([*messages, message],
+                                                add_generation_prompt=False))
+
+    return replace(fitted, follow=follow)
 
 
 def _fit_all(state: ServerState, parsed: ParsedRequest) -> _Fitted:
@@ -195,7 +225,7 @@ def _submit(state: ServerState, parsed: ParsedRequest, fitted: _Fitted,
                     bridge.put((i, event))
 
                 job = state.scheduler.submit(prompt, _choice_config(config, j), sink,
-                                             score_prompt=score)
+                                             score_prompt=score, follow=fitted.follow)
                 choices.append(_Choice(i, prompt, job, parsed.echo))
     except QueueFull as full:
         _cancel(state, choices)

@@ -24,6 +24,14 @@ from .stats import GenerationStats
 log = logging.getLogger("specedge.serve")
 
 
+def _next_prompt(pair: Pair, job: Job, reply: str) -> list[int]:
+    """The ids a finished job's conversation goes on with (`Job.follow`, else the pair's
+    `conversation_ids`): what an idle engine prefills ahead."""
+    if job.follow is not None:
+        return job.follow(reply)
+    return pair.conversation_ids(job.prompt, reply, chat=job.config.chat)
+
+
 class BatchEngine:
     """Jobs as rows of one `ContinuousBatch` (concat-form pairs)."""
 
@@ -49,8 +57,7 @@ class BatchEngine:
 
         def work() -> None:
             try:
-                self.batch.prefill_ahead(self.pair.conversation_ids(
-                    job.prompt, reply, chat=job.config.chat))
+                self.batch.prefill_ahead(_next_prompt(self.pair, job, reply))
             except Exception as exc:  # the kept prefixes are dropped; requests are not affected
                 log.warning("prefilling a finished conversation ahead failed: %s", exc)
 
@@ -133,8 +140,7 @@ class SerialEngine:
 
         def work() -> None:
             try:
-                self.pair.prefill_ahead(self.pair.conversation_ids(
-                    job.prompt, self.reply, chat=job.config.chat))
+                self.pair.prefill_ahead(_next_prompt(self.pair, job, self.reply))
             except Exception as exc:  # the caches are dropped; requests are not affected
                 log.warning("prefilling the last conversation ahead failed: %s", exc)
 

@@ -76,8 +76,13 @@ class Job:
 
     def __init__(self, prompt: Prompt, config: GenerationConfig,
                  sink: Callable[[Event], None], deadline_s: float,
-                 score_prompt: int | None = None) -> None:
+                 score_prompt: int | None = None,
+                 follow: Callable[[str], list[int]] | None = None) -> None:
         self.prompt, self.config, self.sink = prompt, config, sink
+        # The ids the conversation's next prompt starts with, given the reply (what an idle
+        # worker prefills ahead), for a prompt rendered by its caller (a server's chat with
+        # tools or thinking); None: `Pair.conversation_ids` of the prompt.
+        self.follow = follow
         # n >= 0: the worker scores the prompt (its tokens' logprobs, n alternatives each)
         # before the job decodes, into `prompt_logprobs`, with its token ids in `prompt_ids`.
         self.score_prompt = score_prompt

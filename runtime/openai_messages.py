@@ -56,9 +56,9 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 
 def messages_field(value: Any) -> list[dict[str, Any]]:
-    """A request's `messages`: each one's role and text content (an assistant message with
-    `tool_calls` may have none), its calls and the `reasoning_content` a reply came with (as
-    the server returns it), and a tool message's `tool_call_id` and `name`.
+    """A request's `messages`: each one's role and text content (an assistant's may be null),
+    its calls and the `reasoning_content` a reply came with (as the server returns it), and a
+    tool message's `tool_call_id` and `name`.
 
     Raises:
         FieldError: naming the message and field at fault.
@@ -81,8 +81,10 @@ def messages_field(value: Any) -> list[dict[str, Any]]:
         if calls and role != "assistant":
             raise FieldError(f"{where}.tool_calls", "only assistant messages make tool calls")
         content = message.get("content")
-        entry: dict[str, Any] = {"role": ROLES[role], "content": "" if content is None and calls
-                                 else _content(content, f"{where}.content")}
+        # An assistant's content may be null (OpenAI's API allows it): a reply of calls only,
+        # or one that ended inside its thinking, as the server returns them.
+        entry: dict[str, Any] = {"role": ROLES[role], "content": "" if content is None and (
+            calls or role == "assistant") else _content(content, f"{where}.content")}
         if calls:
             entry["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
         if role == "assistant" and isinstance(message.get("reasoning_content"), str):

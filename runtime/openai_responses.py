@@ -15,7 +15,8 @@ from .generation import GenerationResult
 from .reply_reader import ReplyPart
 from .tool_calls import ToolCall
 
-__all__ = ["SSE_DONE", "ResponseShape", "finish_reason", "sse", "tool_calls_json", "usage"]
+__all__ = ["SSE_DONE", "ResponseShape", "assistant_message", "finish_reason", "sse",
+           "tool_calls_json", "usage"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 _FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
@@ -35,6 +36,22 @@ def tool_calls_json(calls: Sequence[ToolCall], first: int = 0, *, chunk: bool = 
     return [{**({"index": first + i} if chunk else {}), "id": "call_" + uuid.uuid4().hex[:24],
              "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for i, c in enumerate(calls)]
+
+
+def assistant_message(text: str, read: tuple[ReplyPart, bool] | None = None
+                      ) -> dict[str, Any]:
+    """A whole chat reply as the response's `message`: its text, or what `ReplyReader` found
+    in it and whether it reasoned (`read`): the answer as `content` (None when empty), the
+    thinking as `reasoning_content` and the calls as `tool_calls` (each with a new id)."""
+    if read is None:
+        return {"role": "assistant", "content": text}
+    part, reasoned = read
+    message: dict[str, Any] = {"role": "assistant", "content": part.content or None}
+    if reasoned and part.reasoning:
+        message["reasoning_content"] = part.reasoning
+    if part.calls:
+        message["tool_calls"] = tool_calls_json(part.calls)
+    return message
 
 
 def usage(results: Sequence[GenerationResult]) -> dict[str, Any]:
@@ -74,19 +91,12 @@ class ResponseShape:
             else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _choice(self, index: int, text: str | None, finish: str | None, chunk: bool,
+    def _choice(self, index: int, text: str | None, finish: str | None,
                 logprobs: dict[str, Any] | None, calls: list[dict[str, Any]] | None = None,
                 reasoning: str | None = None) -> dict[str, Any]:
+        """A completions choice, or a chat stream's chunk (`body` writes whole chat choices)."""
         if self.kind == "text":
             return {"index": index, "text": text or "", "logprobs": logprobs,
-                    "finish_reason": finish}
-        if not chunk:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if reasoning is not None:
-                message["reasoning_content"] = reasoning
-            if calls:
-                message["tool_calls"] = calls
-            return {"index": index, "message": message, "logprobs": logprobs,
                     "finish_reason": finish}
         delta: dict[str, Any] = {} if text is None else {"content": text}
         if text == "":  # the opening chunk
@@ -106,13 +116,15 @@ class ResponseShape:
         out = []
         for i, (result, logprobs, echo) in enumerate(choices):
             entry = read[i] if i < len(read) else None
-            part, reasoned = (None, False) if entry is None else entry
-            text = echo + result.text if part is None else part.content or None
-            called = part is not None and bool(part.calls)
-            out.append(self._choice(
-                i, text, finish_reason(result.stop_reason, called), False, logprobs,
-                tool_calls_json(part.calls) if called and part else None,
-                (part.reasoning or None) if reasoned and part else None))
+            if self.kind == "text":
+                out.append(self._choice(i, echo + result.text, finish_reason(result.stop_reason),
+                                        logprobs))
+                continue
+            message = assistant_message(echo + result.text if entry is None else result.text,
+                                        entry)
+            finish = finish_reason(result.stop_reason, bool(message.get("tool_calls")))
+            out.append({"index": i, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish})
         return {**self._head(False), "choices": out,
                 "usage": usage([result for result, _, _ in choices])}
 
@@ -124,7 +136,7 @@ class ResponseShape:
         `openai_logprobs`), the tool calls it completes (`tool_calls_json(chunk=True)`) and
         the reasoning text it adds."""
         return sse({**self._head(True), "choices": [
-            self._choice(index, text, finish, True, logprobs, calls, reasoning)]})
+            self._choice(index, text, finish, logprobs, calls, reasoning)]})
 
     def usage_chunk(self, results: Sequence[GenerationResult]) -> bytes:
         """The final SSE event of `stream_options.include_usage`: no choices, the usage."""

@@ -146,15 +146,17 @@ class Scheduler:
                        adaptive=o.adaptive)
 
     def submit(self, prompt: Prompt, config: GenerationConfig,
-               sink: Callable[[Event], None], *, score_prompt: int | None = None) -> Job:
+               sink: Callable[[Event], None], *, score_prompt: int | None = None,
+               follow: Callable[[str], list[int]] | None = None) -> Job:
         """Queue a job; its events go to `sink` (called on the worker thread). With
         `score_prompt` (the alternatives per token), the worker fills `job.prompt_logprobs`
-        before the job's first event.
+        before the job's first event. `follow`: the ids the conversation's next prompt starts
+        with, given the reply (see `Job.follow`).
 
         Raises:
             QueueFull: `max_batch + max_queue` jobs are already queued or running.
         """
-        job = Job(prompt, config, sink, self.options.request_timeout_s, score_prompt)
+        job = Job(prompt, config, sink, self.options.request_timeout_s, score_prompt, follow)
         with self._cond:
             if self._closing:
                 raise QueueFull(5)

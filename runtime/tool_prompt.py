@@ -100,14 +100,17 @@ class ToolPlan:
         return out, None
 
     def prompt_text(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
-                    variables: Mapping[str, Any] | None = None) -> str:
-        """The prompt as the chat template renders it (`variables`: more template variables).
+                    variables: Mapping[str, Any] | None = None, *,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt as the chat template renders it (`variables`: more template variables;
+        without the generation prompt: a conversation the next message follows).
 
         Raises:
             InputError: the chat template refuses the messages, tools or variables.
         """
         rendered, tools = self.messages(messages)
-        return tokenizer.render_chat(rendered, tools=tools, variables=variables)
+        return tokenizer.render_chat(rendered, tools=tools, variables=variables,
+                                     add_generation_prompt=add_generation_prompt)
 
     def prompt_ids(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
                    variables: Mapping[str, Any] | None = None) -> list[int]:
