@@ -8,6 +8,7 @@ prompt and logprobs. Any choice that fails fails the request, and the others are
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -86,7 +87,7 @@ async def complete(request: Request, state: ServerState, kind: str) -> Response:
         (result, _result_logprobs(kind, parsed, choice, result, token_bytes),
          _echo_text(state, choice) if parsed.echo else "")
         for choice, result in zip(choices, results, strict=True)],
-        read=[_read(fitted, r.text) for r in results]))
+        read=[_read(fitted, r.text) for r in results], key=fitted.call_key))
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class _Fitted:
     inside: bool = False
     # A chat rendered here: the ids its next prompt starts with, given a reply (`Job.follow`).
     follow: Callable[[str], list[int]] | None = None
+    call_key: str = ""  # its replies' tool call ids are digests of this (`tool_calls_json`)
 
     def reader(self) -> ReplyReader | None:
         """A reader of one reply (None: its text is returned as it is)."""
@@ -158,14 +160,16 @@ def _chat_prompt(state: ServerState, parsed: ParsedRequest) -> _Fitted:
     grammar = reply_grammar(grammar or parsed.config.grammar, reasoning, text,
                             state.options.constrain_thinking)
     fitted = _Fitted([ids], [replace(parsed.config, grammar=grammar)],
-                     plan.fmt if plan and plan.parses_calls else None, reasoning, inside)
+                     plan.fmt if plan and plan.parses_calls else None, reasoning, inside,
+                     call_key=hashlib.sha256(str(ids).encode()).hexdigest())
 
     def follow(reply: str) -> list[int]:
         """The conversation with `reply` as the response returns it, rendered as this server
         renders a client's re-sent conversation: what the next prompt starts with (an idle
         server prefills it ahead; appending the reply's tokens would not match a template that
         renders the thinking or calls its own way, or drops earlier thinking, as Qwen3's)."""
-        message = messages_field([assistant_message(reply, _read(fitted, reply))])[0]
+        message = messages_field([assistant_message(reply, _read(fitted, reply),
+                                                    fitted.call_key)])[0]
         return tokenizer.encode_rendered(render([*messages, message],
                                                 add_generation_prompt=False))
 
@@ -307,7 +311,8 @@ async def _events(shape: ResponseShape, bridge: Bridge, parsed: ParsedRequest, s
             first = called.get(index, 0)
             called[index] = first + len(part.calls)
             yield shape.chunk(None, logprobs=lp, index=index,
-                              calls=tool_calls_json(part.calls, first, chunk=True))
+                              calls=tool_calls_json(part.calls, fitted.call_key, first,
+                                                    chunk=True))
 
     def read(index: int, text: str | None) -> ReplyPart:
         """The part of choice `index`'s reply that `text` lets out (None: the reply ended)."""

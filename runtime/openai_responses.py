@@ -4,6 +4,7 @@ results. Pure functions and frozen dataclasses; requests are `openai_api`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -29,20 +30,25 @@ def finish_reason(stop_reason: str, called: bool = False) -> str:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def tool_calls_json(calls: Sequence[ToolCall], first: int = 0, *, chunk: bool = False
+def tool_calls_json(calls: Sequence[ToolCall], key: str, first: int = 0, *, chunk: bool = False
                     ) -> list[dict[str, Any]]:
-    """Calls as a message's `tool_calls` (each with a new id); a stream's chunks also number
-    them within the reply, from `first`."""
-    return [{**({"index": first + i} if chunk else {}), "id": "call_" + uuid.uuid4().hex[:24],
+    """Calls as a message's `tool_calls`; a stream's chunks also number them within the reply,
+    from `first`. Each id is a digest of `key` (the conversation the reply answers), the call's
+    number and the call: the same in a stream's chunks, the whole body and the conversation an
+    idle server prefills ahead (so a chat template that renders ids renders the ones the
+    client sends back), and new with each turn."""
+    return [{**({"index": first + i} if chunk else {}), "id": "call_" + hashlib.sha256(
+                f"{key}\0{first + i}\0{c.name}\0{c.arguments}".encode()).hexdigest()[:24],
              "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for i, c in enumerate(calls)]
 
 
-def assistant_message(text: str, read: tuple[ReplyPart, bool] | None = None
+def assistant_message(text: str, read: tuple[ReplyPart, bool] | None = None, key: str = ""
                       ) -> dict[str, Any]:
     """A whole chat reply as the response's `message`: its text, or what `ReplyReader` found
     in it and whether it reasoned (`read`): the answer as `content` (None when empty), the
-    thinking as `reasoning_content` and the calls as `tool_calls` (each with a new id)."""
+    thinking as `reasoning_content` and the calls as `tool_calls` (ids from `key`, see
+    `tool_calls_json`)."""
     if read is None:
         return {"role": "assistant", "content": text}
     part, reasoned = read
@@ -50,7 +56,7 @@ def assistant_message(text: str, read: tuple[ReplyPart, bool] | None = None
     if reasoned and part.reasoning:
         message["reasoning_content"] = part.reasoning
     if part.calls:
-        message["tool_calls"] = tool_calls_json(part.calls)
+        message["tool_calls"] = tool_calls_json(part.calls, key)
     return message
 
 
@@ -108,11 +114,12 @@ class ResponseShape:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def body(self, choices: Sequence[tuple[GenerationResult, dict[str, Any] | None, str]],
-             read: Sequence[tuple[ReplyPart, bool] | None] = ()) -> dict[str, Any]:
+             read: Sequence[tuple[ReplyPart, bool] | None] = (), key: str = ""
+             ) -> dict[str, Any]:
         """The whole (non-streaming) response: per choice, its result, its logprobs (see
         `openai_logprobs`) and the echoed prompt its text starts with ("" without echo); and,
         for a chat reply read for reasoning or tool calls, what `ReplyReader` found in it and
-        whether it reasoned (`read`, by choice)."""
+        whether it reasoned (`read`, by choice; `key`: its calls' ids, see `tool_calls_json`)."""
         out = []
         for i, (result, logprobs, echo) in enumerate(choices):
             entry = read[i] if i < len(read) else None
@@ -121,7 +128,7 @@ class ResponseShape:
                                         logprobs))
                 continue
             message = assistant_message(echo + result.text if entry is None else result.text,
-                                        entry)
+                                        entry, key)
             finish = finish_reason(result.stop_reason, bool(message.get("tool_calls")))
             out.append({"index": i, "message": message, "logprobs": logprobs,
                         "finish_reason": finish})
