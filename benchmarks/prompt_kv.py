@@ -28,8 +28,8 @@ from report import emit, interleaved_args  # noqa: E402
 from tool_calls_speed import REQUESTS, TOOLS  # noqa: E402
 
 from specedge.runtime.pair import GenerationConfig, Pair  # noqa: E402
-from specedge.runtime.tool_calls import ToolSet  # noqa: E402
 from specedge.runtime.tool_prompt import ToolPlan  # noqa: E402
+from specedge.runtime.tool_set import ToolSet  # noqa: E402
 
 SHORT = ["Write a haiku about the sea.", "Name three rivers in Europe.",
          "What is the capital of France?", "Explain photosynthesis briefly.",

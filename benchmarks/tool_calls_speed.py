@@ -32,8 +32,8 @@ from anchors import ort_genai  # noqa: E402
 from report import emit, interleaved_args  # noqa: E402
 
 from specedge.runtime.pair import GenerationConfig, Pair  # noqa: E402
-from specedge.runtime.tool_calls import ToolSet  # noqa: E402
 from specedge.runtime.tool_prompt import ToolPlan  # noqa: E402
+from specedge.runtime.tool_set import ToolSet  # noqa: E402
 
 
 def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from .pair import GenerationConfig, Prompt
 from .policy import DRAFTER_CHOICES
 from .sampling import SamplingParams, logit_bias_from_json
 from .structured_api import StructuredFieldError, grammar_field
-from .tool_calls import ToolSet
+from .tool_set import ToolSet
 
 __all__ = ["APIError", "ParsedRequest", "RequestDefaults", "error_body", "messages_field",
            "parse_request"]

@@ -1,5 +1,5 @@
-"""Tool (function) calling: the tools a request offers, the calls a reply makes, and the
-grammar that makes a reply nothing but calls.
+"""Tool (function) calling: the calls a reply makes, and the grammar that makes a reply nothing
+but calls (the tools a request offers are `runtime/tool_set`).
 
 Follows OpenAI's chat API (`tools`, `tool_choice`, `parallel_tool_calls`; a call's `arguments`
 is JSON text) and the call syntaxes small open models are trained on, as data (`ToolFormat`):
@@ -29,123 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import FieldError
 from .grammar import Grammar
 from .held_text import partial_suffix
+from .tool_set import TOOL_NAME, Tool
 
 __all__ = ["GRANITE3", "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTRAL_ARGS", "MISTRAL_CALL_ID",
-           "PHI4", "TOOL_FORMATS", "Tool", "ToolCall", "ToolFormat", "ToolInputError",
-           "ToolOutput", "ToolSet"]
+           "PHI4", "TOOL_FORMATS", "ToolCall", "ToolFormat", "ToolOutput"]
 
-MAX_TOOLS = 128
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_NO_PARAMETERS = {"type": "object", "properties": {}}
-
-
-class ToolInputError(FieldError):
-    """A `tools` / `tool_choice` value a request got wrong (`param` names the field)."""
-
-
-@dataclass(frozen=True)
-class Tool:
-    """One function the model may call: its name, description and the JSON schema of its
-    arguments (as JSON text)."""
-
-    name: str
-    description: str = ""
-    parameters: str = json.dumps(_NO_PARAMETERS)
-
-    def openai(self) -> dict[str, Any]:
-        """The tool as OpenAI's API and chat templates write it."""
-        function: dict[str, Any] = {"name": self.name}
-        if self.description:
-            function["description"] = self.description
-        function["parameters"] = json.loads(self.parameters)
-        return {"type": "function", "function": function}
-
-
-@dataclass(frozen=True)
-class ToolSet:
-    """The tools of a request and how the reply may use them.
-
-    Attributes:
-        tools: the functions offered.
-        choice: "auto" (the model decides), "none" (no calls), "required" (calls only), or the
-            name of the one function the reply must call.
-        parallel: a reply may make several calls.
-    """
-
-    tools: tuple[Tool, ...]
-    choice: str = "auto"
-    parallel: bool = True
-
-    @classmethod
-    def from_openai(cls, tools: Any, tool_choice: Any = None,
-                    parallel_tool_calls: Any = None) -> ToolSet:
-        """Checks OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`.
-
-        Raises:
-            ToolInputError: naming the field at fault (a tool without a valid name, a
-                duplicate, parameters that are not a JSON schema object, an unknown choice).
-        """
-        if not isinstance(tools, list) or not 0 < len(tools) <= MAX_TOOLS:
-            raise ToolInputError("tools", f"expected a list of 1 to {MAX_TOOLS} tools")
-        parsed = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(tools))
-        names = [t.name for t in parsed]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise ToolInputError("tools", f"two tools are named {dup!r}; names must differ")
-        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-            raise ToolInputError("parallel_tool_calls", "expected true or false")
-        return cls(parsed, _choice(tool_choice, names), parallel_tool_calls is not False)
-
-    def openai(self) -> list[dict[str, Any]]:
-        return [t.openai() for t in self.tools]
-
-    def forced(self) -> tuple[Tool, ...]:
-        """The tools a reply must call one of ("required" or a named function); () when the
-        reply is free ("auto", "none")."""
-        if self.choice in ("auto", "none"):
-            return ()
-        return tuple(t for t in self.tools if self.choice in ("required", t.name))
-
-
-def _tool(value: Any, where: str) -> Tool:
-    function = value.get("function") if isinstance(value, dict) else None
-    if not isinstance(value, dict) or value.get("type", "function") != "function" or \
-            not isinstance(function, dict):
-        raise ToolInputError(where, "expected {'type': 'function', 'function': {'name': ..., "
-                                    "'parameters': {...}}}")
-    name = function.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ToolInputError(f"{where}.function.name", "expected 1 to 64 letters, digits, _ "
-                                                       "or -")
-    description = function.get("description") or ""
-    if not isinstance(description, str):
-        raise ToolInputError(f"{where}.function.description", "expected a string")
-    parameters = function.get("parameters")
-    if parameters is None:
-        parameters = _NO_PARAMETERS
-    if not isinstance(parameters, dict):
-        raise ToolInputError(f"{where}.function.parameters", "expected a JSON schema object")
-    return Tool(name, description, json.dumps(parameters, ensure_ascii=False))
-
-
-def _choice(value: Any, names: Sequence[str]) -> str:
-    if value is None:
-        return "auto"
-    if value in ("auto", "none", "required"):
-        return str(value)
-    function = value.get("function") if isinstance(value, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(name, str):
-        if name not in names:
-            raise ToolInputError("tool_choice", f"names function {name!r}, which is not one of "
-                                                "the tools")
-        return name
-    raise ToolInputError("tool_choice", "expected 'auto', 'none', 'required' or {'type': "
-                                        "'function', 'function': {'name': ...}}")
 
 
 @dataclass(frozen=True)
@@ -370,7 +261,7 @@ class ToolFormat:
         when it does not start with one."""
         head, tag, rest = body.partition(self.args_tag)
         name = head.partition(self.id_tag)[0].strip() if self.id_tag else head.strip()
-        if not tag or not _NAME.fullmatch(name):
+        if not tag or not TOOL_NAME.fullmatch(name):
             return None
         rest = rest.lstrip()
         try:

@@ -18,7 +18,8 @@ from typing import Any
 
 from .grammar import Grammar
 from .text import Tokenizer
-from .tool_calls import HERMES, ToolCall, ToolFormat, ToolSet
+from .tool_calls import HERMES, ToolCall, ToolFormat
+from .tool_set import ToolSet
 
 __all__ = ["ToolPlan", "has_tool_turns"]
 

@@ -168,8 +168,8 @@ def _generate_with_tools(loaded: Pair, prompt: str, config: GenerationConfig, to
     reply streamed, or with --json its text, content and calls."""
     from specedge.runtime.errors import FieldError
     from specedge.runtime.prompts import read_text_file
-    from specedge.runtime.tool_calls import ToolSet
     from specedge.runtime.tool_prompt import ToolPlan
+    from specedge.runtime.tool_set import ToolSet
 
     try:
         listed = json.loads(read_text_file(tools_file, "the tools file", "tools file"))

@@ -16,8 +16,8 @@ from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.prefix_cache import PREFILL_CHUNK as C
 from specedge.runtime.reasoning import THINK
 from specedge.runtime.server import ServerOptions, create_app
-from specedge.runtime.tool_calls import ToolSet
 from specedge.runtime.tool_prompt import ToolPlan
+from specedge.runtime.tool_set import ToolSet
 
 from .test_hardening import copy_pair, rehash
 from .test_serve import running

@@ -22,7 +22,8 @@ from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.reasoning import THINK, ReasoningFormat, ReasoningStream
 from specedge.runtime.reply_reader import ReplyReader
 from specedge.runtime.server import ServerOptions, create_app
-from specedge.runtime.tool_calls import HERMES, Tool
+from specedge.runtime.tool_calls import HERMES
+from specedge.runtime.tool_set import Tool
 
 from .test_hardening import pair_copy, rehash
 from .test_serve import running
@@ -142,8 +143,8 @@ def _solo(pair: Pair, messages: list[dict[str, Any]], regex: str,
           variables: dict[str, Any] | None = None, tools: list[Any] | None = None) -> str:
     """Target-only decoding of what the server is sent (the rest of the 512-token context)."""
     from specedge.runtime.grammar import Grammar
-    from specedge.runtime.tool_calls import ToolSet
     from specedge.runtime.tool_prompt import ToolPlan
+    from specedge.runtime.tool_set import ToolSet
 
     plan = ToolPlan.for_tokenizer(pair.tokenizer, ToolSet.from_openai(tools) if tools else None)
     ids = plan.prompt_ids(pair.tokenizer, messages, variables)
@@ -454,8 +455,8 @@ def test_a_chat_the_pair_renders_keeps_the_thinking_free_as_the_server_does(
     from specedge.runtime.reasoning import Thinking
     from specedge.runtime.sampling import SamplingParams
     from specedge.runtime.serving import ContinuousBatch
-    from specedge.runtime.tool_calls import ToolSet
     from specedge.runtime.tool_prompt import ToolPlan
+    from specedge.runtime.tool_set import ToolSet
 
     from .test_cli import generate_json
     from .test_hardening import copy_pair
@@ -557,8 +558,9 @@ def test_magistral_thinking_and_calls_through_the_server(pair_copy: Path) -> Non
 
     from specedge.runtime.reasoning import MISTRAL_THINK, Thinking
     from specedge.runtime.sampling import SamplingParams
-    from specedge.runtime.tool_calls import MISTRAL_ARGS, ToolSet
+    from specedge.runtime.tool_calls import MISTRAL_ARGS
     from specedge.runtime.tool_prompt import ToolPlan
+    from specedge.runtime.tool_set import ToolSet
 
     assert ReasoningFormat.for_template(MAGISTRAL_TEMPLATE) is MISTRAL_THINK
     (pair_copy / "chat_template.jinja").write_text(MAGISTRAL_TEMPLATE)

@@ -30,14 +30,12 @@ from specedge.runtime.tool_calls import (
     MISTRAL_CALL_ID,
     PHI4,
     TOOL_FORMATS,
-    Tool,
     ToolCall,
     ToolFormat,
-    ToolInputError,
     ToolOutput,
-    ToolSet,
 )
 from specedge.runtime.tool_prompt import ToolPlan
+from specedge.runtime.tool_set import Tool, ToolInputError, ToolSet
 from specedge.runtime.tool_stream import ToolStream
 
 from .test_hardening import pair_copy, rehash
