@@ -22,7 +22,7 @@ available.
 
 A speculative target must compute a position the same way alone (a decode step) and inside a
 verification block, or speculation is not the target's decoding (see `rowprobe`).
-`OrtModel.probe_rows` measures it at load; a model with `two_row_steps` never runs a one-token
+`rowprobe.probe_rows` measures it at load; a model with `two_row_steps` never runs a one-token
 call: a one-token step re-feeds the previous token beside it (its keys and values come out
 bit-identical) and keeps the second row's logits.
 """
@@ -68,12 +68,6 @@ _NO_ROWS = np.zeros(0, np.int64)
 # rows of logits to numpy's argmax cost far less (K=3: 171 tok/s with the argmax on the host,
 # 130 with the head; docs/results/gpu_h200.md). One-row steps keep the head.
 HEAD_MAX_POSITIONS = 1
-# Pasts the row probe computes a position after (`OrtModel.probe_rows`), per device: GPU kernels
-# change their split of the keys with the past's length (CUDA's did between 34 and 66 on the
-# H200); the CPU's one-row difference shows after a short past already, and a long one would add
-# ~0.5 s to loading the reference pair on a small CPU.
-# (66 and 130: the pasts at which the H200's steps differed, diag `exact`, the same tokens.)
-ROW_PROBE_PASTS = {"cpu": (4,), "cuda": (4, 66, 130)}
 
 
 class OrtModel(BatchRows):
@@ -135,7 +129,7 @@ class OrtModel(BatchRows):
         self.head = (GreedyHead(config, spec.logits_dtype, self.logits_size)
                      if config.argmax_on_device else None)
         self.calls = 0
-        # Run one-token steps as two rows (see `probe_rows`); set by whoever loads the model.
+        # Run one-token steps as two rows (see `rowprobe.probe_rows`); set by whoever loads it.
         self.two_row_steps = False
         self.row_probe: RowProbe | None = None
 
@@ -155,50 +149,6 @@ class OrtModel(BatchRows):
                 f"{self.logits_size}: re-export the pair"
             ) from None
         return width
-
-    def probe_rows(self) -> RowProbe | None:
-        """Compute one position alone, as the second row of a two-token block and as the third
-        of a three-token one (fresh caches, plain runs, arbitrary tokens) after the pasts of
-        `ROW_PROBE_PASTS` (a short one, and on a GPU longer ones), and compare its logits; None
-        when the model's context is shorter than five tokens, or when it cannot run them (NaN
-        logits, say: its first generation then reports why).
-
-        The long pasts matter on GPUs: on the H200, the CUDA EP's kernels computed a
-        one-token step exactly as a block after 6, 18 and 34 past tokens, but not after 66 or 130
-        (docs/results/gpu_diag.md), and greedy speculation then differed at fp16 near-ties."""
-        spec = self.spec
-        if spec.max_seq_len < 5:
-            return None
-        probes = []
-        on, self.two_row_steps = self.two_row_steps, False
-        try:
-            pasts = ROW_PROBE_PASTS[self.config.device]
-            for n in sorted({min(past + 1, spec.max_seq_len) for past in pasts}):
-                probes.append(self._probe_at(n))
-        except ModelError as exc:
-            log.debug("row probe of the %s model skipped: %s", self.name, exc)
-            return None
-        finally:
-            self.two_row_steps = on
-        return RowProbe.worst(probes)
-
-    def _probe_at(self, n: int) -> RowProbe:
-        """The row probe on `n` arbitrary tokens: the last one alone after n - 1, and as the
-        last row of blocks of two and three."""
-        spec = self.spec
-        ids = (np.arange(n, dtype=np.int64) * 7919 + 11) % spec.vocab_size
-        # At least the cache a generation gets (a sliding-window model refuses a shorter one).
-        length = min(spec.max_seq_len, max(n, spec.min_cache_len))
-
-        def last(split: int) -> np.ndarray:
-            cache = KVCache(self, 1, length, fixed=False)
-            self.forward(cache, ids[None, :split])
-            return self.forward(cache, ids[None, split:])[0, -1].astype(np.float64)
-
-        alone, two, three = last(n - 1), last(n - 2), last(n - 3)
-        return RowProbe(single=float(np.abs(alone - two).max()),
-                        block=float(np.abs(two - three).max()),
-                        scale=float(np.abs(two).max()))
 
     def steps_note(self) -> str:
         """How this model's one-token steps run, and why (for bench and logs)."""

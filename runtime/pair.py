@@ -52,6 +52,7 @@ from .prefix_cache import (
 )
 from .prompting import Prompts
 from .rounds import RowOutput, RowSampler
+from .rowprobe import probe_rows
 from .speculative import decode
 from .stats import GenerationStats
 from .text import Tokenizer
@@ -126,7 +127,7 @@ class Pair:
             two_row_steps: run the target's one-token steps as two rows, so that a decode step
                 and a verification block compute a position with the same kernels and
                 speculative output is target-only output token for token (None: when
-                `OrtModel.probe_rows` finds the target's one-row kernels differ beyond rounding
+                `rowprobe.probe_rows` finds the target's one-row kernels differ beyond rounding
                 and its block kernels agree, e.g. MatMulNBits at accuracy level 4). The probe
                 is `pair.target.row_probe`.
             split_head: where the exporter split a model's head off (manifest `head`), greedy
@@ -174,7 +175,7 @@ class Pair:
                 if note:
                     notes["draft"] = note
         if two_row_steps is None:
-            target.row_probe = probe = target.probe_rows()
+            target.row_probe = probe = probe_rows(target)
             if probe is not None:
                 (log.info if probe.blocks_agree else log.warning)("target: %s", probe.describe())
             two_row_steps = probe is not None and probe.needs_two_rows

@@ -9,16 +9,34 @@ int8 activation quantization (MatMulNBits at accuracy level 4: int4 / int8 targe
 to ~0.6 logits, enough to change greedy tokens. A per-tensor dynamic activation scale (QDQ int8)
 is not invariant even between blocks.
 
-`RowProbe` holds what `OrtModel.probe_rows` measured and decides whether a model's one-token
-steps should run as two rows.
+`probe_rows` measures a model when a pair loads; `RowProbe` holds what it measured and decides
+whether the model's one-token steps should run as two rows.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import ModelError
+from .kvcache import KVCache
+
+if TYPE_CHECKING:
+    from .backend import OrtModel
+
+log = logging.getLogger(__name__)
 
 ROW_TOLERANCE = 1e-3  # logit differences under this x the logits' scale are rounding
+# Pasts the row probe computes a position after (`probe_rows`), per device: GPU kernels
+# change their split of the keys with the past's length (CUDA's did between 34 and 66 on the
+# H200); the CPU's one-row difference shows after a short past already, and a long one would add
+# ~0.5 s to loading the reference pair on a small CPU.
+# (66 and 130: the pasts at which the H200's steps differed, diag `exact`, the same tokens.)
+ROW_PROBE_PASTS = {"cpu": (4,), "cuda": (4, 66, 130)}
 
 
 @dataclass(frozen=True)
@@ -62,3 +80,49 @@ class RowProbe:
             return (f"not batch-invariant: blocks of 2 and 3 rows differ by {self.block:.2g} "
                     "logits, so greedy speculation can differ from target-only")
         return f"batch-invariant (one row vs a block: {self.single:.1g} logits)"
+
+
+def probe_rows(model: OrtModel) -> RowProbe | None:
+    """Compute one position alone, as the second row of a two-token block and as the third
+    of a three-token one (fresh caches, plain runs, arbitrary tokens) after the pasts of
+    `ROW_PROBE_PASTS` (a short one, and on a GPU longer ones), and compare its logits; None
+    when the model's context is shorter than five tokens, or when it cannot run them (NaN
+    logits, say: its first generation then reports why).
+
+    The long pasts matter on GPUs: on the H200, the CUDA EP's kernels computed a
+    one-token step exactly as a block after 6, 18 and 34 past tokens, but not after 66 or 130
+    (docs/results/gpu_diag.md), and greedy speculation then differed at fp16 near-ties."""
+    spec = model.spec
+    if spec.max_seq_len < 5:
+        return None
+    probes = []
+    on, model.two_row_steps = model.two_row_steps, False
+    try:
+        pasts = ROW_PROBE_PASTS[model.config.device]
+        for n in sorted({min(past + 1, spec.max_seq_len) for past in pasts}):
+            probes.append(_probe_at(model, n))
+    except ModelError as exc:
+        log.debug("row probe of the %s model skipped: %s", model.name, exc)
+        return None
+    finally:
+        model.two_row_steps = on
+    return RowProbe.worst(probes)
+
+
+def _probe_at(model: OrtModel, n: int) -> RowProbe:
+    """The row probe on `n` arbitrary tokens: the last one alone after n - 1, and as the
+    last row of blocks of two and three."""
+    spec = model.spec
+    ids = (np.arange(n, dtype=np.int64) * 7919 + 11) % spec.vocab_size
+    # At least the cache a generation gets (a sliding-window model refuses a shorter one).
+    length = min(spec.max_seq_len, max(n, spec.min_cache_len))
+
+    def last(split: int) -> np.ndarray:
+        cache = KVCache(model, 1, length, fixed=False)
+        model.forward(cache, ids[None, :split])
+        return model.forward(cache, ids[None, split:])[0, -1].astype(np.float64)
+
+    alone, two, three = last(n - 1), last(n - 2), last(n - 3)
+    return RowProbe(single=float(np.abs(alone - two).max()),
+                    block=float(np.abs(two - three).max()),
+                    scale=float(np.abs(two).max()))

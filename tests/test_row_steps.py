@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specedge.runtime import backend
+from specedge.runtime import rowprobe
 from specedge.runtime.backend import OrtModel
 from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
 from specedge.runtime.rowprobe import RowProbe
@@ -79,8 +79,8 @@ def test_probe_looks_after_a_long_past(fixtures_dir: Path,
     after a long past (CUDA's attention splits its keys by the past's length) must still turn
     two-row steps on; the probe looked after 4 tokens only, and said batch-invariant. (Shown
     on the CPU with the GPU's pasts and a kernel switch made up at 64.)"""
-    assert max(backend.ROW_PROBE_PASTS["cuda"]) >= 64
-    monkeypatch.setitem(backend.ROW_PROBE_PASTS, "cpu", backend.ROW_PROBE_PASTS["cuda"])
+    assert max(rowprobe.ROW_PROBE_PASTS["cuda"]) >= 64
+    monkeypatch.setitem(rowprobe.ROW_PROBE_PASTS, "cpu", rowprobe.ROW_PROBE_PASTS["cuda"])
     pair = Pair.load(fixtures_dir / "tiny-llama", load_draft=False)
     model = pair.target
     assert model.spec.max_seq_len > 128 and not model.row_probe.needs_two_rows
@@ -92,7 +92,7 @@ def test_probe_looks_after_a_long_past(fixtures_dir: Path,
         return logits + 0.5 if tokens.shape[1] == 1 and past >= 64 else logits
 
     model.forward = long_past_differs  # type: ignore[method-assign]
-    probe = model.probe_rows()
+    probe = rowprobe.probe_rows(model)
     assert probe is not None and probe.needs_two_rows and probe.blocks_agree
 
 
