@@ -35,7 +35,7 @@ from specedge.runtime.manifest import (
     write_manifest,
 )
 
-from . import onnx_export, quantize, sources, validate
+from . import folder_files, onnx_export, quantize, sources, template_files, validate
 from .archs import arch_for, default_graph
 from .concat_form import RewriteUnsupported
 from .output import check_output, require_modules, staged_folder
@@ -179,8 +179,8 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
     goes when it ends: the export's own peak stays one fp32 build.
     """
     say = say or (lambda _msg: None)
-    config_dict = sources.read_config(src.folder)
-    config = sources.hf_config(src.folder)
+    config_dict = folder_files.read_config(src.folder)
+    config = folder_files.hf_config(src.folder)
     arch = arch_for(config, where=str(src.folder))
     family_graph = default_graph(arch, config)
     asked = opts.graph or family_graph
@@ -276,7 +276,7 @@ def export_pair(opts: ExportOptions, progress: Any = None) -> ExportReport:
     start = time.perf_counter()
     out = _check_output(opts)
     if opts.chat_template is not None:
-        sources.read_chat_template(opts.chat_template)  # a bad file fails now, not at the end
+        template_files.read_chat_template(opts.chat_template)  # a bad file fails now
     require_modules("export")
     with staged_folder(out) as tmp, \
             tempfile.TemporaryDirectory(prefix="specedge-export-",
@@ -321,7 +321,7 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
             and not _builder_writes(draft_precision, opts)) else None
         draft = _export_model(draft_src, draft_precision, "draft", draft_opts, tmp, work,
                               fp32=reuse, say=say).spec
-        tokenizer_ids = 1 + max(sources.tokenizer_vocab(target_src.folder).values())
+        tokenizer_ids = 1 + max(folder_files.tokenizer_vocab(target_src.folder).values())
         width = sources.padded_draft_vocab(target.vocab_size, draft.vocab_size, tokenizer_ids)
         if width is not None:
             say(f"the draft's vocabulary is padded to {width} ids, the target's to "
@@ -329,7 +329,7 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
             draft = _pad_draft_vocab(tmp, draft, target.vocab_size)
     tokenizer_files, template = sources.copy_tokenizer(target_src, tmp, opts.chat_template)
     bos, eos, pad = sources.special_tokens(target_src.folder,
-                                           sources.read_config(target_src.folder))
+                                           folder_files.read_config(target_src.folder))
     if opts.validate:
         say("validating against torch")
         target, draft = _validate(tmp, target, draft, target_src, draft_src, opts.provider)

@@ -9,9 +9,10 @@ are downloaded with `huggingface_hub.snapshot_download` (needs a network; this f
 message offline).
 
 The tokenizer half of a source lives here too: its files copied into a pair (`copy_tokenizer`,
-with a chat template from the folder, the GGUF metadata or a `--chat-template` file checked with
-jinja2, and a record of which), its special ids, and the check that a draft shares the target's
-vocabulary.
+with a chat template from the folder, the GGUF metadata or a `--chat-template` file, checked by
+`template_files`, and a record of which), its special ids, and the check that a draft shares the
+target's vocabulary. `check_folder` checks what an export reads from a folder before any model is
+built (the files themselves are read by `folder_files`).
 """
 
 from __future__ import annotations
@@ -23,11 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specedge.runtime.errors import ExportError, InputError
+from specedge.runtime.errors import ExportError
 from specedge.runtime.files import sha256_file
 from specedge.runtime.tokenizer_files import TOKENIZER_FILES
 
 from .checkpoint import check_loading_info
+from .folder_files import hf_config, read_config, read_json_file, tokenizer_vocab
+from .template_files import (
+    check_chat_template,
+    gguf_chat_template,
+    read_chat_template,
+    read_chat_template_text,
+    set_chat_template,
+)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt", "tokenizer*"]
@@ -149,125 +158,8 @@ def gguf_to_folder(gguf: Path, out: Path) -> Path:
     tokenizer.save_pretrained(str(out))
     template = gguf_chat_template(gguf)
     if template is not None:
-        _set_chat_template(out, template)
+        set_chat_template(out, template)
     return out
-
-
-def gguf_chat_template(gguf: Path) -> str | None:
-    """The `tokenizer.chat_template` string of a GGUF file's metadata, or None."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(gguf)).fields.get("tokenizer.chat_template")
-    if field is None or not field.data:
-        return None
-    value = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    return value if value.strip() else None
-
-
-def _set_chat_template(folder: Path, template: str) -> None:
-    """Write chat_template.jinja and mirror it into tokenizer_config.json."""
-    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
-    cfg_file = folder / "tokenizer_config.json"
-    cfg = read_json_file(cfg_file) if cfg_file.is_file() else {}
-    if not isinstance(cfg.get("chat_template"), str):
-        cfg["chat_template"] = template
-        cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False), encoding="utf-8")
-
-
-MAX_CHAT_TEMPLATE_BYTES = 1 << 20
-
-
-def read_chat_template(file: Path) -> str:
-    """The text of a `--chat-template` file, once it renders a user turn (`check_chat_template`).
-
-    Raises:
-        InputError: the file is missing, unreadable, larger than 1 MiB, not UTF-8, empty, not a
-            jinja template, or its template fails or renders no user message.
-    """
-    where = f"--chat-template {file}"
-    text = read_chat_template_text(Path(file).expanduser(), where)
-    check_chat_template(text, where, "fix the template")
-    return text
-
-
-def read_chat_template_text(file: Path, where: str) -> str:
-    """A chat template file's text: bounded (a device such as /dev/zero, or a huge file given
-    by mistake, is not read whole; a template is a few KiB, with tool calls tens of KiB), a
-    byte-order mark dropped (it would start every prompt).
-
-    Raises:
-        InputError: missing, a folder, unreadable, larger than 1 MiB, not UTF-8 or empty.
-    """
-    try:
-        with open(file, "rb") as fh:
-            data = fh.read(MAX_CHAT_TEMPLATE_BYTES + 1)
-        if len(data) > MAX_CHAT_TEMPLATE_BYTES:
-            raise InputError(f"{where}: larger than {MAX_CHAT_TEMPLATE_BYTES >> 20} MiB; a chat "
-                             "template is a few KiB: give the template file")
-        text = data.decode("utf-8-sig")
-    except FileNotFoundError:
-        raise InputError(f"{where}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"{where}: is a folder; give a jinja file") from None
-    except OSError as exc:
-        raise InputError(f"{where}: cannot read it ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{where}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
-    if not text.strip():
-        raise InputError(f"{where}: the file is empty")
-    return text
-
-
-def check_chat_template(text: str, where: str, fix: str) -> None:
-    """Render `text` for one user turn in the runtime's sandbox, as `generate --chat` and the
-    server will: a template that is not valid jinja, fails, exceeds the sandbox's limits or
-    leaves the user's message out fails the export now, not at the first chat.
-
-    Raises:
-        InputError: naming `where`, with `fix`.
-    """
-    import jinja2
-
-    from specedge.runtime.chat_template import ChatTemplate
-    from specedge.runtime.template_sandbox import environment
-
-    try:
-        environment().parse(text)  # the sandbox the runtime renders it in
-    except jinja2.TemplateSyntaxError as exc:
-        raise InputError(f"{where}: not a valid jinja template (line {exc.lineno}: "
-                         f"{exc.message}); {fix}") from None
-    message = "Hello from specedge"
-    try:
-        rendered = ChatTemplate(text).render([{"role": "user", "content": message}],
-                                             add_generation_prompt=True, bos_token="",
-                                             eos_token="", max_chars=1 << 16)
-    except InputError as exc:
-        why = str(exc).replace("the chat template is invalid", "not a valid jinja template")
-        raise InputError(f"{where}: {why.split('; ')[0]}; {fix}") from None
-    if message not in rendered:
-        raise InputError(f"{where}: renders a user message without its text ({rendered[:60]!r}); "
-                         f"{fix}")
-
-
-def tokenizer_vocab(folder: Path) -> dict[str, int]:
-    """token -> id of an HF folder's fast tokenizer (added tokens included)."""
-    from tokenizers import Tokenizer
-
-    file = folder / "tokenizer.json"
-    if not file.exists():
-        raise ExportError(f"{folder}: no tokenizer.json (a fast tokenizer is required)")
-    if not file.is_file():
-        raise ExportError(f"{file}: not a regular file; a model folder's tokenizer.json is a "
-                          "JSON file")
-    if file.stat().st_size > MAX_TOKENIZER_FILE_BYTES:
-        raise ExportError(f"{file}: larger than {MAX_TOKENIZER_FILE_BYTES >> 20} MiB; not a "
-                          "tokenizer")
-    try:
-        return dict(Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True))
-    except Exception as exc:  # the tokenizers library raises its own Exception for bad files
-        what = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise ExportError(f"{file}: not a tokenizer the tokenizers library can read ({what}); "
-                          "the model folder is corrupt or has a slow tokenizer only") from None
 
 
 def check_same_vocab(target: Path, draft: Path) -> None:
@@ -387,41 +279,6 @@ def copy_tokenizer(src: Source, dest: Path, template_file: Path | None
     return files, origin
 
 
-def read_config(folder: Path) -> dict[str, Any]:
-    """config.json of an HF folder, with a clear error when it is unreadable."""
-    return read_json_file(folder / "config.json")
-
-
-MAX_JSON_BYTES = 64 << 20  # config files are KiB; tokenizer.json is read by `tokenizer_vocab`
-MAX_TOKENIZER_FILE_BYTES = 256 << 20  # tokenizer.json of a 256k vocabulary is ~20 MiB
-
-
-def read_json_file(file: Path) -> dict[str, Any]:
-    """A JSON object file of a model folder (config.json, generation_config.json,
-    tokenizer_config.json), read bounded.
-
-    Raises:
-        ExportError: unreadable, not a regular file, too large, not JSON or not an object.
-    """
-    fix = "the model folder is corrupt; pass a Hugging Face model folder"
-    try:
-        if not file.is_file():
-            raise ExportError(f"{file}: not a regular file; {fix}")
-        with open(file, "rb") as fh:
-            data = fh.read(MAX_JSON_BYTES + 1)
-    except OSError as exc:
-        raise ExportError(f"{file}: unreadable ({exc.strerror or exc}); {fix}") from None
-    if len(data) > MAX_JSON_BYTES:
-        raise ExportError(f"{file}: larger than {MAX_JSON_BYTES >> 20} MiB; {fix}")
-    try:
-        doc = json.loads(data.decode("utf-8-sig"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ExportError(f"{file}: unreadable (not JSON: {exc}); {fix}") from None
-    if not isinstance(doc, dict):
-        raise ExportError(f"{file}: not a JSON object; {fix}")
-    return doc
-
-
 def check_folder(folder: Path, name: str, *, own_template: bool) -> None:
     """Check what an export reads from a model folder before any model is built: config.json
     (and a model with at least one layer), generation_config.json and tokenizer_config.json
@@ -458,22 +315,3 @@ def check_folder(folder: Path, name: str, *, own_template: bool) -> None:
                                     "override it with --chat-template FILE")
 
 
-def hf_config(folder: Path) -> Any:
-    """transformers' config of an HF folder, with a clear error where transformers refuses it
-    (a field of the wrong type, an unknown model type)."""
-    from transformers import AutoConfig
-
-    refused: tuple[type[Exception], ...] = (ValueError, TypeError, KeyError, OSError)
-    try:  # transformers 5 validates configs with huggingface_hub's strict dataclasses
-        from huggingface_hub.errors import StrictDataclassError
-
-        refused += (StrictDataclassError,)
-    except ImportError:
-        pass
-    file = folder / "config.json"
-    try:
-        return AutoConfig.from_pretrained(str(folder))
-    except refused as exc:
-        what = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise ExportError(f"{file}: transformers cannot read it ({what}); pass a valid "
-                          "Hugging Face model folder") from None

@@ -79,7 +79,7 @@ def test_quantize_negative_seed_is_one_line() -> None:
 @pytest.mark.export
 @pytest.mark.skipif(not HAS_TORCH, reason="needs the [export] extra")
 def test_export_config_of_the_wrong_type_is_one_line(tmp_path: Path) -> None:
-    from specedge.exporter.sources import hf_config
+    from specedge.exporter.folder_files import hf_config
     from specedge.exporter.tiny import make_tiny_model
     from specedge.runtime.errors import ExportError
 

@@ -127,13 +127,13 @@ def test_chat_template_source_is_recorded(tmp_path: Path, hf: Path, kind: str,
 def test_bad_chat_template_is_one_clean_line(tmp_path: Path, hf: Path, content: bytes | None,
                                              message: str) -> None:
     from specedge.cli import main
-    from specedge.exporter import sources
+    from specedge.exporter import template_files
 
     file = tmp_path / "chat.jinja"
     if content is not None:
         file.write_bytes(content)
     with pytest.raises(InputError, match="--chat-template"):
-        sources.read_chat_template(file)
+        template_files.read_chat_template(file)
     out = tmp_path / "pair"
     result = CliRunner().invoke(main, ["export", str(hf), "-o", str(out), "--precision", "fp32",
                                        "--chat-template", str(file)])

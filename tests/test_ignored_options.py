@@ -166,7 +166,7 @@ def test_a_failed_builder_leaves_its_log_where_the_error_says(tmp_path: Path) ->
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs the [export] extra")
 def test_a_chat_template_file_is_read_bounded_and_without_its_bom(tmp_path: Path) -> None:
-    from specedge.exporter.sources import read_chat_template
+    from specedge.exporter.template_files import read_chat_template
 
     proc = run_cli(["export", "any/model", "-o", tmp_path / "out", "--chat-template",
                     "/dev/zero"], timeout=60, memory=2 << 30)

@@ -72,7 +72,7 @@ def test_pair_is_lean_and_exact(tmp_path: Path, graph: str, tied: bool,
 
 def test_chat_template_from_gguf_metadata(tmp_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    from specedge.exporter import sources
+    from specedge.exporter import template_files
 
     template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
     for name, value in (("with.gguf", template), ("without.gguf", None)):
@@ -83,11 +83,11 @@ def test_chat_template_from_gguf_metadata(tmp_path: Path) -> None:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-    assert sources.gguf_chat_template(tmp_path / "with.gguf") == template
-    assert sources.gguf_chat_template(tmp_path / "without.gguf") is None
+    assert template_files.gguf_chat_template(tmp_path / "with.gguf") == template
+    assert template_files.gguf_chat_template(tmp_path / "without.gguf") is None
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "tokenizer_config.json").write_text("{}")
-    sources._set_chat_template(folder, template)
+    template_files.set_chat_template(folder, template)
     assert (folder / "chat_template.jinja").read_text() == template
     assert '"chat_template"' in (folder / "tokenizer_config.json").read_text()
