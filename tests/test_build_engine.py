@@ -26,13 +26,13 @@ from specedge.exporter import engine as build
 from specedge.exporter.engine import (
     EngineOptions,
     build_engines,
-    check_graph_form,
-    contrib_ops,
     plan_profiles,
+    read_context_model,
+)
+from specedge.exporter.engine_plan import (
+    check_graph_form,
     profile_shapes,
     provider_options,
-    read_context_model,
-    read_graph,
     unavailable_message,
 )
 from specedge.runtime.engines import (
@@ -57,6 +57,7 @@ from specedge.runtime.manifest import (
     parse_manifest,
     write_manifest,
 )
+from specedge.runtime.onnx_file import contrib_ops, read_graph
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.sampling import SamplingParams
 from specedge.runtime.sessions import SessionConfig
