@@ -21,6 +21,7 @@ Nothing here touches a global random state: every random function takes a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -33,8 +34,10 @@ IntArray = npt.NDArray[np.int64]
 __all__ = [
     "accept_greedy",
     "accept_greedy_ids",
+    "accept_greedy_rows",
     "accept_probability",
     "accept_sample",
+    "accept_sample_rows",
     "first_token_marginal",
     "residual_probs",
     "sample_token",
@@ -173,6 +176,24 @@ def accept_greedy_ids(draft_tokens: npt.ArrayLike, target_ids: npt.ArrayLike) ->
     return out
 
 
+def accept_greedy_rows(draft_tokens: IntArray, pick: Callable[[int], int]) -> IntArray:
+    """`accept_greedy` with each position's target choice asked for only when the rule reaches
+    it (`pick(i)`: the target's token at position i, i <= k): the same tokens, and no work for
+    the positions after the first mismatch (seeded sampling warps a row of logits for each).
+
+    Returns:
+        ``[a + 1]`` int64: the accepted drafts, then the target's token at position ``a``.
+    """
+    emitted: list[int] = []
+    for i in range(draft_tokens.shape[0]):
+        token = pick(i)
+        emitted.append(token)
+        if token != int(draft_tokens[i]):
+            return np.asarray(emitted, dtype=np.int64)
+    emitted.append(pick(draft_tokens.shape[0]))
+    return np.asarray(emitted, dtype=np.int64)
+
+
 def _check_tokens(draft_tokens: npt.ArrayLike) -> IntArray:
     arr = np.asarray(draft_tokens)
     if arr.ndim != 1:
@@ -238,17 +259,40 @@ def accept_sample(
     _check_token_range(drafts, vocab)
     if not (np.isfinite(draft).all() and np.isfinite(target).all()):
         raise InputError("draft_probs and target_probs must be finite (no NaN or inf)")
+    return accept_sample_rows(drafts, draft.__getitem__, target.__getitem__, rng)
 
+
+def accept_sample_rows(draft_tokens: IntArray, draft_row: Callable[[int], FloatArray],
+                       target_row: Callable[[int], FloatArray], rng: np.random.Generator
+                       ) -> IntArray:
+    """`accept_sample` with each position's distributions asked for only when the rule
+    reaches that position: the same draws, the same tokens, and no work for the positions after
+    the first rejection (warping a row of logits costs 0.1-0.7 ms on a CPU for a 49k
+    vocabulary; the target scores k + 1 of them a round).
+
+    Args:
+        draft_tokens: ``[k]`` int64 draft token ids.
+        draft_row: ``i -> [vocab]`` the draft distribution ``d_i`` was drawn from (i < k).
+        target_row: ``i -> [vocab]`` the warped target distribution at position i (i <= k).
+        rng: Random generator, used exactly as `accept_sample` uses it.
+
+    Raises:
+        InputError: a draft token outside a row's vocabulary.
+    """
     emitted: list[int] = []
+    k = draft_tokens.shape[0]
     for i in range(k):
-        token = int(drafts[i])
+        token = int(draft_tokens[i])
+        target, draft = target_row(i), draft_row(i)
+        if not 0 <= token < target.shape[-1]:
+            raise InputError(f"draft_tokens must be in [0, {target.shape[-1]}), got {token}")
         u = rng.random()
-        if u * draft[i, token] < target[i, token]:
+        if u * draft[token] < target[token]:
             emitted.append(token)
             continue
-        emitted.append(sample_token(residual_probs(target[i], draft[i]), rng))
+        emitted.append(sample_token(residual_probs(target, draft), rng))
         return np.asarray(emitted, dtype=np.int64)
-    emitted.append(sample_token(target[k], rng))
+    emitted.append(sample_token(target_row(k), rng))
     return np.asarray(emitted, dtype=np.int64)
 
 

@@ -24,7 +24,13 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .acceptance import accept_greedy, accept_greedy_ids, accept_sample, sample_token
+from .acceptance import (
+    accept_greedy,
+    accept_greedy_ids,
+    accept_greedy_rows,
+    accept_sample_rows,
+    sample_token,
+)
 from .detokenize import IncrementalDetokenizer, StopStrings
 from .errors import InputError
 from .grammar import GrammarState
@@ -201,16 +207,26 @@ class RowSampler:
         logits = suppress_stops(logits, position, self.params.min_tokens, self.stop_ids)
         if self.params.greedy:
             return accept_greedy(drafts, logits)
-        target_probs = warp_probs(logits, self.params)  # [n + 1, vocab]
-        if self.seeded:
-            noise = np.stack([self.noise(position + j) for j in range(len(logits))])
-            return accept_greedy(drafts, target_probs / noise)
+        # Each row of logits is warped only when the rule reaches its position: it stops at
+        # the first rejection (the rows after it cost 0.1-0.7 ms each for nothing).
+        params, vocab = self.params, logits.shape[-1]
+
+        def target_row(i: int) -> np.ndarray:  # [vocab]
+            return warp_probs(logits[i:i + 1], params)[0]
+
+        if self.seeded:  # the exponential race of each position, checked greedily
+            return accept_greedy_rows(np.asarray(drafts, np.int64), lambda i: int(
+                np.argmax(target_row(i) / self.noise(position + i))))
         assert self.rng is not None
-        n = len(drafts)
-        if draft_probs is None:
-            draft_probs = np.zeros((n, logits.shape[-1]))
-            draft_probs[np.arange(n), drafts] = 1.0
-        return accept_sample(drafts, draft_probs, target_probs, self.rng)
+
+        def one_hot(i: int) -> np.ndarray:  # a deterministic proposal's distribution
+            row = np.zeros(vocab)
+            row[drafts[i]] = 1.0
+            return row
+
+        return accept_sample_rows(np.asarray(drafts, np.int64),
+                                  one_hot if draft_probs is None else draft_probs.__getitem__,
+                                  target_row, self.rng)
 
 
 class RowOutput:
