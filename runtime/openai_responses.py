@@ -36,11 +36,20 @@ def tool_calls_json(calls: Sequence[ToolCall], key: str, first: int = 0, *, chun
     from `first`. Each id is a digest of `key` (the conversation the reply answers), the call's
     number and the call: the same in a stream's chunks, the whole body and the conversation an
     idle server prefills ahead (so a chat template that renders ids renders the ones the
-    client sends back), and new with each turn."""
-    return [{**({"index": first + i} if chunk else {}), "id": "call_" + hashlib.sha256(
-                f"{key}\0{first + i}\0{c.name}\0{c.arguments}".encode()).hexdigest()[:24],
+    client sends back), and new with each turn (see `_call_id`)."""
+    return [{**({"index": first + i} if chunk else {}), "id": _call_id(c, key, first + i),
              "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for i, c in enumerate(calls)]
+
+
+def _call_id(call: ToolCall, key: str, number: int) -> str:
+    """`call_` and a digest of the conversation, the call's number and the call; where the
+    model wrote an id of its own (Mistral Small 3.2's `[CALL_ID]`), the digest's first 15
+    characters and that id, so that its template, which renders an id's last 9 letters and
+    digits, renders the id the model wrote (the reply's tokens as generated)."""
+    digest = hashlib.sha256(f"{key}\0{number}\0{call.name}\0{call.arguments}".encode()
+                            ).hexdigest()
+    return f"call_{digest[:15]}{call.model_id}" if call.model_id else f"call_{digest[:24]}"
 
 
 def assistant_message(text: str, read: tuple[ReplyPart, bool] | None = None, key: str = ""

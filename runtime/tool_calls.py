@@ -39,12 +39,17 @@ __all__ = ["GRANITE3", "HERMES", "LLAMA3_JSON", "MISTRAL", "MISTRAL_ARGS", "MIST
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# A call id a model writes that the server keeps (as the end of the id it returns).
+MODEL_CALL_ID = re.compile(r"[A-Za-z0-9]{1,32}")
+
 @dataclass(frozen=True)
 class ToolCall:
-    """One call a reply makes: the function's name and its arguments as JSON text."""
+    """One call a reply makes: the function's name, its arguments as JSON text and the id the
+    model wrote for it, where its format has one (Mistral Small 3.2's `[CALL_ID]a1b2c3d4e`)."""
 
     name: str
     arguments: str
+    model_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -124,8 +129,9 @@ class ToolFormat:
         except ValueError:  # a client's malformed arguments: written as the text they are
             arguments = call.arguments
         if self.args_tag:
-            call_id = self.id_tag + hashlib.sha256(f"{call.name}{call.arguments}".encode()) \
-                .hexdigest()[:self.call_id_length or 9] if self.id_tag else ""
+            own = call.model_id or hashlib.sha256(f"{call.name}{call.arguments}".encode()) \
+                .hexdigest()[:self.call_id_length or 9]
+            call_id = self.id_tag + own if self.id_tag else ""
             return f"{self.call_open}{call.name}{call_id}{self.args_tag}" + \
                 json.dumps(arguments, ensure_ascii=False)
         body = json.dumps({"name": call.name, self.arguments_key: arguments},
@@ -257,10 +263,11 @@ class ToolFormat:
 
     def named_after(self, body: str) -> tuple[ToolCall, str] | None:
         """The call `body` (the text after a call's open tag) starts with, `name[ARGS]{...}`
-        with `args_tag` (a call id before that tag is skipped), and the text after it; None
-        when it does not start with one."""
+        with `args_tag` (a call id before that tag is kept as `model_id` when it is up to 32
+        letters and digits), and the text after it; None when it does not start with one."""
         head, tag, rest = body.partition(self.args_tag)
-        name = head.partition(self.id_tag)[0].strip() if self.id_tag else head.strip()
+        name, _, call_id = head.partition(self.id_tag) if self.id_tag else (head, "", "")
+        name, call_id = name.strip(), call_id.strip()
         if not tag or not TOOL_NAME.fullmatch(name):
             return None
         rest = rest.lstrip()
@@ -270,7 +277,8 @@ class ToolFormat:
             return None
         if not isinstance(arguments, dict):
             return None
-        return ToolCall(name, json.dumps(arguments, ensure_ascii=False)), rest[end:]
+        own = call_id if MODEL_CALL_ID.fullmatch(call_id) else None
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), own), rest[end:]
 
     def named_fails(self, body: str) -> bool:
         """`body` (text after a call's open tag, as far as it has arrived) cannot start a call

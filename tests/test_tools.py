@@ -150,7 +150,10 @@ def test_parse_finds_calls_and_keeps_the_rest_as_text() -> None:
         ToolOutput(None, two_calls[1:])
     for fmt in TOOL_FORMATS:
         written = ToolCall("weather", '{"city": "Oslo", "days": [1, 2]}')
-        assert fmt.parse(fmt.write(written)).calls == (written,), fmt.name
+        (parsed,) = fmt.parse(fmt.write(written)).calls
+        assert replace(parsed, model_id=None) == written, fmt.name
+        assert (parsed.model_id is not None) == bool(fmt.id_tag), fmt.name  # the id it wrote
+        assert fmt.write(parsed) == fmt.write(written), fmt.name
     for marker, fmt in (("<tool_call>", HERMES), ("[TOOL_CALLS]", MISTRAL),
                         ("[TOOL_CALLS]' + name + '[ARGS]", MISTRAL_ARGS),
                         ("[TOOL_CALLS]' + name + '[CALL_ID]' + id + '[ARGS]", MISTRAL_CALL_ID),
@@ -176,7 +179,7 @@ def test_mistral_v11_calls_write_each_name_before_its_arguments() -> None:
         assert fmt.parse('[TOOL_CALLS]f[ARGS]{"a": 1} [TOOL_CALLS]x y[ARGS]{}') == \
             ToolOutput("[TOOL_CALLS]x y[ARGS]{}", (f,))
     assert MISTRAL_CALL_ID.parse('[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"a": 1}') == \
-        ToolOutput(None, (f,))
+        ToolOutput(None, (replace(f, model_id="a1b2c3d4e"),))
     written = MISTRAL_CALL_ID.write(f)
     assert re.fullmatch(r'\[TOOL_CALLS\]f\[CALL_ID\][0-9a-f]{9}\[ARGS\]\{"a": 1\}', written)
     assert MISTRAL_ARGS.write(f) == '[TOOL_CALLS]f[ARGS]{"a": 1}'
@@ -664,6 +667,35 @@ MISTRAL_V11_TEMPLATE = """\
 CALL_ID = """
 {%- if call.id | length != 9 %}{{ raise_exception('call ids are 9 letters and digits') }}{% endif %}
 {{- '[CALL_ID]' + call.id }}"""
+
+
+def test_the_call_id_a_model_wrote_is_the_one_its_template_renders_back() -> None:
+    """Mistral Small 3.2 writes an id after each call's name. The server returned a digest
+    id instead, which its template rendered back as the digest's last 9 characters: the
+    conversation the client sent back differed from the reply's tokens as generated, so the
+    reply's cache was reused only up to the id. Now the returned id ends with the model's id
+    (still unique per conversation and call), which the template renders as the model wrote
+    it."""
+    from specedge.runtime.chat_template import ChatTemplate
+    from specedge.runtime.openai_responses import tool_calls_json
+
+    reply = '[TOOL_CALLS]weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}'
+    calls = MISTRAL_CALL_ID.parse(reply).calls
+    assert [c.model_id for c in calls] == ["a1b2c3d4e"]
+    (entry,) = tool_calls_json(calls, "conversation 1")
+    assert entry["id"].startswith("call_") and entry["id"].endswith("a1b2c3d4e")
+    assert entry["id"] != tool_calls_json(calls, "conversation 2")[0]["id"]
+    assert tool_calls_json(calls, "conversation 1", chunk=True)[0]["id"] == entry["id"]
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [entry]},
+               {"role": "tool", "tool_call_id": entry["id"], "content": "sunny"}]
+    messages, _ = ToolPlan(MISTRAL_CALL_ID, True).messages(history)
+    rendered = ChatTemplate(MISTRAL_V11_TEMPLATE.replace("CALL_ID", CALL_ID)).render(
+        messages, add_generation_prompt=False, bos_token="", eos_token="", max_chars=1 << 16)
+    assert reply in rendered, rendered
+    # an id that is no id (not letters and digits) is not kept
+    (odd,) = MISTRAL_CALL_ID.parse('[TOOL_CALLS]f[CALL_ID]a-b c[ARGS]{}').calls
+    assert odd.model_id is None and len(tool_calls_json([odd], "k")[0]["id"]) == 29
 
 
 @pytest.mark.parametrize("fmt", [MISTRAL_ARGS, MISTRAL_CALL_ID], ids=lambda f: f.name)
