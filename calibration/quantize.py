@@ -98,8 +98,10 @@ def quantize(opts: QuantizeOptions, say: Callable[[str], None] = print) -> Path:
     with staged_folder(out) as tmp:
         copy_pair(opts.pair, tmp)
         folder = tmp / Path(spec.path).parent
-        # The token ids a draft's logits cover are not the graph's: they stay as they are.
-        kept = {rel: (tmp / rel).read_bytes() for rel in (spec.vocab_ids,) if rel}
+        # The token ids a draft's logits cover and the ids it is fed are not the graph's:
+        # they stay as they are.
+        kept = {rel: (tmp / rel).read_bytes() for rel in (spec.vocab_ids, spec.input_id_map)
+                if rel}
         shutil.rmtree(folder)
         folder.mkdir()
         for rel, content in kept.items():

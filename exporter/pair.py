@@ -35,7 +35,7 @@ from specedge.runtime.manifest import (
     write_manifest,
 )
 
-from . import folder_files, onnx_export, quantize, sources, template_files, validate
+from . import folder_files, onnx_export, quantize, sources, template_files, validate, vocab_bridge
 from .archs import arch_for, default_graph
 from .concat_form import RewriteUnsupported
 from .output import check_output, require_modules, staged_folder
@@ -303,13 +303,16 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         draft_src = target_src  # self-draft: the same model at another precision
     # Everything the export reads from the folders, checked before any model is built.
     sources.check_folder(target_src.folder, "target", own_template=opts.chat_template is None)
+    bridged = draft_src is not None and draft_src.folder != target_src.folder and \
+        not sources.same_vocab(target_src.folder, draft_src.folder)
     if draft_src is not None and draft_src.folder != target_src.folder:
         sources.check_folder(draft_src.folder, "draft", own_template=False)
-        sources.check_same_vocab(target_src.folder, draft_src.folder)
+        if bridged:  # refused before anything is built when it shares too little
+            vocab_bridge.for_folders(target_src.folder, draft_src.folder)
     say(f"exporting the target ({opts.precision})")
     built = _export_model(target_src, opts.precision, "target", opts, tmp, work)
     target = built.spec
-    draft = None
+    draft, bridge = None, None
     if draft_src is not None and draft_precision is not None:
         say(f"exporting the draft ({draft_precision})")
         # A self-draft of an fp32 target is quantized from the target's files.
@@ -322,8 +325,14 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         draft = _export_model(draft_src, draft_precision, "draft", draft_opts, tmp, work,
                               fp32=reuse, say=say).spec
         tokenizer_ids = 1 + max(folder_files.tokenizer_vocab(target_src.folder).values())
-        width = sources.padded_draft_vocab(target.vocab_size, draft.vocab_size, tokenizer_ids)
-        if width is not None:
+        if bridged:
+            bridge = vocab_bridge.for_folders(target_src.folder, draft_src.folder,
+                                              target.vocab_size, draft.vocab_size)
+            say(bridge.summary())
+            draft = vocab_bridge.write_bridged_draft(tmp, work, draft, bridge,
+                                                     target.vocab_size)
+        elif (width := sources.padded_draft_vocab(target.vocab_size, draft.vocab_size,
+                                                  tokenizer_ids)) is not None:
             say(f"the draft's vocabulary is padded to {width} ids, the target's to "
                 f"{target.vocab_size}: its logits cover the first {width}")
             draft = _pad_draft_vocab(tmp, draft, target.vocab_size)
@@ -332,7 +341,8 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
                                            folder_files.read_config(target_src.folder))
     if opts.validate:
         say("validating against torch")
-        target, draft = _validate(tmp, target, draft, target_src, draft_src, opts.provider)
+        target, draft = _validate(tmp, target, draft, target_src, draft_src, opts.provider,
+                                  bridge)
     defaults = Defaults(drafter=opts.drafter or ("model" if draft else "ngram"),
                         num_draft_tokens=opts.num_draft_tokens)
     if opts.adaptive is not None:
@@ -364,23 +374,30 @@ def _pad_draft_vocab(tmp: Path, draft: ModelSpec, vocab_size: int) -> ModelSpec:
 
 
 def _validate(tmp: Path, target: ModelSpec, draft: ModelSpec | None,
-              target_src: sources.Source, draft_src: sources.Source | None, provider: str
+              target_src: sources.Source, draft_src: sources.Source | None, provider: str,
+              bridge: vocab_bridge.VocabBridge | None = None
               ) -> tuple[ModelSpec, ModelSpec | None]:
     """Compare both models with torch on the export's provider (on CPU when it cannot run
-    here, which the result says)."""
+    here, which the result says). A bridged draft (`bridge`) is compared on the ids it is fed
+    and the columns it keeps."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(target_src.folder / "tokenizer.json"))
     text = tok.encode("Speculative decoding makes edge devices fast, and exact too.").ids
     # ids every model embeds (a padded draft's table may be the smaller)
     ids = validate.validation_ids(min(spec.input_vocab_size or spec.vocab_size
-                                      for spec in (target, draft) if spec is not None), text)
+                                      for spec in (target, draft) if spec is not None
+                                      and spec.input_id_map is None), text)
     ref = validate.torch_logits(target_src.folder, ids)
     target = dataclasses.replace(target, validation=validate.validate_model(
         tmp, target, "target", ref, ids, provider=provider))
     if draft is not None and draft_src is not None:
-        dref = ref if draft_src.folder == target_src.folder else validate.torch_logits(
-            draft_src.folder, ids)
+        if bridge is not None:
+            dref = validate.torch_logits(draft_src.folder, bridge.input_map[ids])[
+                :, bridge.columns]
+        else:
+            dref = ref if draft_src.folder == target_src.folder else validate.torch_logits(
+                draft_src.folder, ids)
         draft = dataclasses.replace(draft, validation=validate.validate_model(
             tmp, draft, "draft", dref, ids, provider=provider))
     return target, draft

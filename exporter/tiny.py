@@ -2,13 +2,16 @@
 
 `make_tiny_model("llama", folder, seed=0)` writes a complete Hugging Face folder (config,
 safetensors, a small byte-level BPE tokenizer trained in memory, tokenizer_config.json and a chat
-template) for any family in `archs.ARCHS`. Same seed, same weights.
+template) for any family in `archs.ARCHS`. Same seed, same weights. `permute_vocab` and
+`truncate_vocab` copy a model folder under another tokenizer (for drafts with their own
+tokenizer, `vocab_bridge.py`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from .archs import ARCHS
 
@@ -84,3 +87,64 @@ def make_tiny_model(model_type: str, folder: Path, *, seed: int = 0, num_layers:
     model.eval()
     model.save_pretrained(str(folder))
     return folder
+
+
+# ----------------------------------------------- vocabulary variants (vocab_bridge tests, bench)
+
+
+def _rewrite_rows(src: Path, dst: Path, rows: Any, vocab_size: int) -> None:
+    """Copy HF folder `src` to `dst` with the embedding (and untied head) rows taken in the
+    order of `rows` (a torch index), the config's vocab_size set to `vocab_size`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(src / "model.safetensors"))
+    for key in list(weights):
+        if key.endswith(("embed_tokens.weight", "lm_head.weight", "wte.weight")):
+            weights[key] = weights[key][rows].contiguous()
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["vocab_size"] = vocab_size
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def permute_vocab(src: Path, dst: Path, seed: int = 0) -> Path:
+    """The model of HF folder `src` under other ids: its non-special BPE tokens' ids shuffled,
+    embedding and head rows moved with them, written to `dst`."""
+    import numpy as np
+    import torch
+
+    doc = json.loads((src / "tokenizer.json").read_text())
+    special = {t["id"] for t in doc["added_tokens"]}
+    ids = sorted(set(doc["model"]["vocab"].values()) - special)
+    perm = dict(zip(ids, np.random.default_rng(seed).permutation(ids).tolist(), strict=True))
+    rows = json.loads((src / "config.json").read_text())["vocab_size"]
+    order = torch.arange(rows)
+    for old, new in perm.items():
+        order[new] = old  # row `new` of the copy is row `old` of the source
+    _rewrite_rows(src, dst, order, rows)
+    doc["model"]["vocab"] = {tok: perm.get(i, i) for tok, i in doc["model"]["vocab"].items()}
+    (dst / "tokenizer.json").write_text(json.dumps(doc))
+    return dst
+
+
+def truncate_vocab(src: Path, dst: Path, size: int) -> Path:
+    """The model of HF folder `src` with a smaller tokenizer: only its BPE tokens of id < `size`
+    and the merges that make them, embedding and head cut to `size` rows, written to `dst`."""
+    import torch
+
+    doc = json.loads((src / "tokenizer.json").read_text())
+    vocab = {tok: i for tok, i in doc["model"]["vocab"].items() if i < size}
+
+    def kept(merge: Any) -> bool:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        return left in vocab and right in vocab and left + right in vocab
+
+    doc["model"]["vocab"] = vocab
+    doc["model"]["merges"] = [m for m in doc["model"]["merges"] if kept(m)]
+    doc["added_tokens"] = [t for t in doc["added_tokens"] if t["id"] < size]
+    _rewrite_rows(src, dst, torch.arange(size), size)
+    (dst / "tokenizer.json").write_text(json.dumps(doc))
+    return dst

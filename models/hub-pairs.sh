@@ -10,6 +10,7 @@ case "$NAME" in
   qwen25-7b) T=Qwen/Qwen2.5-7B-Instruct; TP=int4; D=Qwen/Qwen2.5-0.5B-Instruct ;;
   llama3) T=meta-llama/Llama-3.1-8B-Instruct; TP=int4; D=meta-llama/Llama-3.2-1B-Instruct ;;
   tinyllama-llama2) T=meta-llama/Llama-2-7b-chat-hf; TP=int4; D=TinyLlama/TinyLlama-1.1B-Chat-v1.0 ;;
+  mistral-qwen25) T=mistralai/Mistral-7B-Instruct-v0.3; TP=int4; D=Qwen/Qwen2.5-0.5B-Instruct ;;
   *) echo "error: unknown pair '$NAME' (see models/README.md)" >&2; exit 2 ;;
 esac
 exec specedge export "$T" --precision "$TP" --draft "$D" --draft-precision int4 -o "$OUT"

@@ -45,7 +45,7 @@ from .errors import InputError, ModelError
 from .greedy_head import GreedyHead
 from .kvcache import MAX_FIXED_WIDTH, FixedBuffers, KVCache
 from .manifest import ModelSpec
-from .model_checks import check_external_data, check_io, load_vocab_ids
+from .model_checks import check_external_data, check_io, load_input_id_map, load_vocab_ids
 from .rowprobe import RowProbe
 from .sessions import (
     NO_GRAPH_OPTIONS,
@@ -111,6 +111,7 @@ class OrtModel(BatchRows):
                 "without --graph concat, or turn cuda_graph off"
             )
         self.vocab_ids = load_vocab_ids(root, spec)
+        self.input_id_map = load_input_id_map(root, spec)
         self.logits_size = spec.vocab_size if self.vocab_ids is None else len(self.vocab_ids)
         self._kv_names = [
             (spec.kv.past_key.format(i=i), spec.kv.present_key.format(i=i))
@@ -323,10 +324,12 @@ class OrtModel(BatchRows):
         return logits, skip
 
     def _embeddable(self, tokens: np.ndarray) -> np.ndarray:
-        """`tokens`, with the ids this model's embedding table lacks replaced by 0: a draft
-        padded to fewer rows than its target's vocabulary (`ModelSpec.input_vocab_size`) is
-        fed the target's tokens, which may lie past its table. Only its guesses depend on what
-        it is fed; the target checks every one."""
+        """`tokens` as this model reads them: a draft with its own tokenizer
+        (`ModelSpec.input_id_map`) is fed its own id for each; a draft padded to fewer rows
+        than its target's vocabulary (`ModelSpec.input_vocab_size`) gets 0 for the ids past
+        its table. Only its guesses depend on what it is fed; the target checks every one."""
+        if self.input_id_map is not None:
+            return self.input_id_map[tokens]  # type: ignore[no-any-return]
         limit = self.spec.input_vocab_size
         if limit is None or int(tokens.max(initial=0)) < limit:
             return tokens

@@ -256,6 +256,7 @@ def self_draft(target: ModelSpec, draft: ModelSpec) -> bool:
         return {k: v for k, v in spec.source.items() if k != "quantization"}
 
     return bool(target.source) and origin(target) == origin(draft) and \
+        draft.input_id_map is None and \
         (target.num_layers, target.num_kv_heads, target.head_dim) == \
         (draft.num_layers, draft.num_kv_heads, draft.head_dim)
 

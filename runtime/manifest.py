@@ -95,6 +95,10 @@ class ModelSpec:
     # 151,936 beside Qwen2.5-7B's 152,064: the same tokenizer, padded differently): the ids at
     # or above it are fed to it as id 0. Its guesses change, never the output (drafts only).
     input_vocab_size: int | None = None
+    # A draft with its own tokenizer (exporter/vocab_bridge.py): .npy of the draft's id for each
+    # of the pair's token ids, fed in their place; its logits cover the tokens both vocabularies
+    # hold (`vocab_ids`), and `input_vocab_size` is its own table's rows.
+    input_id_map: str | None = None
     validation: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
     head: HeadSpec | None = None  # the head split off the body, where the exporter split it
@@ -158,10 +162,11 @@ class PairManifest:
 # ----------------------------------------------------------------------------- parsing
 
 
-def _vocab_ids(r: Reader, root: Path, files: dict[str, str]) -> str | None:
-    rel = r.get("vocab_ids", (str, type(None)), required=False)
+def _listed_file(r: Reader, root: Path, files: dict[str, str], key: str) -> str | None:
+    """The optional file at `key`: confined to the pair and listed (so hashed) in `files`."""
+    rel = r.get(key, (str, type(None)), required=False)
     if rel is not None:
-        confine(root, rel, file=r.file, key=r.key("vocab_ids"))
+        confine(root, rel, file=r.file, key=r.key(key))
         if rel not in files:
             r.fail(r.key("files"), f"an object that lists {rel!r}", list(files))
     return rel
@@ -208,8 +213,9 @@ def _parse_model(r: Reader, root: Path) -> ModelSpec:
         logits=r.get("logits", str),
         logits_dtype=r.choice("logits_dtype", KV_DTYPES),
         min_cache_len=r.int_in("min_cache_len", 1, 1 << 22, required=False, default=1),
-        vocab_ids=_vocab_ids(r, root, files),
+        vocab_ids=_listed_file(r, root, files, "vocab_ids"),
         input_vocab_size=_input_vocab_size(r),
+        input_id_map=_listed_file(r, root, files, "input_id_map"),
         validation=free_form(r, "validation"),
         source=free_form(r, "source"),
         head=_head(r, root, files),
@@ -218,7 +224,8 @@ def _parse_model(r: Reader, root: Path) -> ModelSpec:
 
 def _input_vocab_size(r: Reader) -> int | None:
     value = r.get("input_vocab_size", (int, type(None)), required=False)
-    vocab = r.data["vocab_size"]  # read and checked before this
+    # read and checked before this; a draft with its own tokenizer may have the larger table
+    vocab = 1 << 24 if r.data.get("input_id_map") is not None else r.data["vocab_size"]
     if value is not None and not 2 <= value <= vocab:
         r.fail(r.key("input_vocab_size"), f"null or an integer in [2, {vocab}]", value)
     return value  # type: ignore[no-any-return]
@@ -295,9 +302,10 @@ def parse_manifest(root: Path, doc: Any, *, file: Path | None = None) -> PairMan
                 f"{file}: models.{name}.vocab_size is {spec.vocab_size} but the pair's vocab_size "
                 f"is {vocab}; draft and target must share one vocabulary"
             )
-    if target.input_vocab_size is not None:  # the target must see every token as it is
-        raise ManifestError(f"{file}: models.target.input_vocab_size is set; only a draft may "
-                            "have a smaller embedding table: re-export the pair")
+    for key in ("input_vocab_size", "input_id_map"):  # the target sees every token as it is
+        if getattr(target, key) is not None:
+            raise ManifestError(f"{file}: models.target.{key} is set; only a draft may read "
+                                "other ids than the pair's: re-export the pair")
     special = r.sub("special_tokens")
     assert special is not None
     eos_raw = special.get("eos", list)

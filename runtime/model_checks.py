@@ -1,8 +1,9 @@
 """Load-time checks of an exported model's files, before and after ONNX Runtime opens them.
 
 The model files are untrusted: the external-data files an ONNX protobuf names must be files the
-manifest lists (so they are confined and hashed); a reduced-vocabulary draft's id subset is read
-without unpickling and must be sorted unique ids in the vocabulary; and the graph must hold the
+manifest lists (so they are confined and hashed); a reduced-vocabulary draft's id subset and a
+draft's input id map (its own tokenizer's id for each of the pair's) are read without unpickling
+and must be ids in range; and the graph must hold the
 tensors and shapes the manifest declares (KV heads, head size, logits width), so a mismatched pair
 fails at load in one line instead of mid-generation.
 """
@@ -47,11 +48,13 @@ def check_external_data(root: Path, rel: str, spec: ModelSpec, name: str) -> Non
         confine(root, rel, file=manifest, key=f"{key}.{rel}")
 
 
-def load_vocab_ids(root: Path, spec: ModelSpec) -> np.ndarray | None:
-    """Token ids the logits cover, for a reduced-vocabulary draft head (None: all)."""
-    if spec.vocab_ids is None:
-        return None
-    path = root / spec.vocab_ids
+def _read_ids(path: Path, count: int, what: str) -> np.ndarray:
+    """A 1-D integer `.npy` of at most `count` ids, its header checked before the data is read
+    and never unpickled.
+
+    Raises:
+        ModelError: unreadable, or the header declares another shape or a non-integer type.
+    """
     try:
         with open(path, "rb") as fh:  # the header first: the declared shape must fit
             version = np.lib.format.read_magic(fh)
@@ -59,20 +62,47 @@ def load_vocab_ids(root: Path, spec: ModelSpec) -> np.ndarray | None:
                            else np.lib.format.read_array_header_2_0)
             shape, _, dtype = read_header(fh)
             offset = fh.tell()
-        count = shape[0] if len(shape) == 1 else -1
-        if not 0 < count <= spec.vocab_size or dtype.kind not in "iu" or \
-                offset + count * dtype.itemsize != path.stat().st_size:
+        found = shape[0] if len(shape) == 1 else -1
+        if not 0 < found <= count or dtype.kind not in "iu" or \
+                offset + found * dtype.itemsize != path.stat().st_size:
             raise ValueError(f"its header declares shape {shape} of {dtype}, not up to "
-                             f"{spec.vocab_size} token ids filling the file")
+                             f"{count} token ids filling the file")
         ids = np.load(path, allow_pickle=False)  # never unpickle
     except (OSError, ValueError, TypeError, MemoryError) as exc:
-        raise ModelError(f"{path}: unreadable vocabulary subset ({str(exc)[:200]}); "
-                         "re-export") from None
+        raise ModelError(f"{path}: unreadable {what} ({str(exc)[:200]}); re-export") from None
+    return ids  # type: ignore[no-any-return]
+
+
+def load_vocab_ids(root: Path, spec: ModelSpec) -> np.ndarray | None:
+    """Token ids the logits cover, for a reduced-vocabulary draft head (None: all)."""
+    if spec.vocab_ids is None:
+        return None
+    path = root / spec.vocab_ids
+    ids = _read_ids(path, spec.vocab_size, "vocabulary subset")
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or \
             ids.min() < 0 or ids.max() >= spec.vocab_size or \
             (np.diff(ids) <= 0).any():
         raise ModelError(f"{path}: the vocabulary subset must be sorted unique token ids "
                          f"in [0, {spec.vocab_size}); re-export the pair")
+    return ids.astype(np.int64)
+
+
+def load_input_id_map(root: Path, spec: ModelSpec) -> np.ndarray | None:
+    """The draft's own id for each of the pair's token ids, for a draft with its own tokenizer
+    (`ModelSpec.input_id_map`; None: it reads the pair's ids as they are). Each id must lie in
+    the draft's embedding table (`ModelSpec.input_vocab_size` rows, where stated).
+
+    Raises:
+        ModelError: unreadable, not one id per pair token id, or an id past the draft's table.
+    """
+    if spec.input_id_map is None:
+        return None
+    path = root / spec.input_id_map
+    ids = _read_ids(path, spec.vocab_size, "input id map")
+    limit = spec.input_vocab_size or 1 << 24
+    if ids.shape != (spec.vocab_size,) or ids.min() < 0 or ids.max() >= limit:
+        raise ModelError(f"{path}: the input id map must hold one id in [0, {limit}) for each "
+                         f"of the pair's {spec.vocab_size} token ids; re-export the pair")
     return ids.astype(np.int64)
 
 

@@ -72,7 +72,8 @@ def main(verbose: int) -> None:
 @click.argument("target")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
               help="Pair folder to create.")
-@click.option("--draft", default=None, help="Draft source (HF folder, hub id or .gguf); "
+@click.option("--draft", default=None, help="Draft source (HF folder, hub id or .gguf), with "
+              "the target's tokenizer or its own (bridged: it proposes the tokens both hold); "
               "default: a self-draft of the target when --draft-precision is given, or, on cpu "
               "with no --precision, the int8-rtn self-draft of the fast CPU pair.")
 @click.option("--precision", default=None, type=click.Choice(PRECISIONS),

@@ -97,17 +97,6 @@ def test_not_a_causal_lm(tmp_path: Path) -> None:
     _no_leftovers(tmp_path / "out")
 
 
-def test_draft_with_another_vocabulary(tmp_path: Path, work: Path) -> None:
-    from specedge.exporter.tiny import make_tiny_model, make_tokenizer
-
-    target = make_tiny_model("llama", tmp_path / "t", seed=0)
-    draft = make_tiny_model("llama", tmp_path / "d", seed=0)
-    make_tokenizer(draft, vocab_size=300)  # same model, a different tokenizer
-    with pytest.raises(SpecEdgeError, match="different vocabularies"):
-        _export(target, tmp_path / "out", draft=str(draft))
-    _no_leftovers(tmp_path / "out")
-
-
 def test_unwritable_output(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")

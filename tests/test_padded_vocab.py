@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,11 @@ import pytest
 
 from specedge.runtime.errors import SpecEdgeError
 from specedge.runtime.pair import GenerationConfig, Pair
-from specedge.runtime.sampling import SamplingParams
+from tests.draft_exactness import (
+    greedy_equals_target_only,
+    sampling_keeps_the_target_distribution,
+    seeded_equals_target_only,
+)
 
 pytestmark = [
     pytest.mark.export,
@@ -63,16 +66,9 @@ def padded_concat(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFa
 def _greedy_equal(pair: Pair, k: int) -> int:
     """Greedy speculative == target-only on every prompt; how many target tokens lay past the
     draft's table."""
-    past = 0
-    for prompt in PROMPTS:
-        ids = pair.encode_prompt(prompt)
-        base, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=32, drafter="none"))
-        spec, _, st = pair.generate_ids(ids, GenerationConfig(
-            max_new_tokens=32, drafter="model", num_draft_tokens=k, adaptive=False))
-        assert spec == base, prompt
-        assert st.proposed > 0
-        past += sum(t >= DRAFT_VOCAB for t in base)
-    return past
+    runs = greedy_equals_target_only(pair, PROMPTS, k)
+    assert all(st.proposed > 0 for _, st in runs)
+    return sum(t >= DRAFT_VOCAB for base, _ in runs for t in base)
 
 
 def test_padded_draft_exports_with_its_logits_mapped(padded: Path) -> None:
@@ -103,42 +99,12 @@ def test_greedy_speculation_is_exact(padded: Path, k: int) -> None:
 
 
 def test_seeded_sampling_equals_target_only(padded: Path) -> None:
-    """The position-keyed sampler gives a seeded row one text whatever drafts it: with the
-    padded draft too, token for token."""
-    pair = Pair.load(padded)
-    params = SamplingParams(temperature=1.0, seed=77)
-    for prompt in PROMPTS[:2]:
-        alone = pair.generate(prompt, GenerationConfig(max_new_tokens=24, drafter="none",
-                                                       sampling=params))
-        for k in (1, 3):
-            spec = pair.generate(prompt, GenerationConfig(
-                max_new_tokens=24, drafter="model", num_draft_tokens=k, adaptive=False,
-                sampling=params))
-            assert spec.tokens == alone.tokens, (prompt, k)
+    seeded_equals_target_only(Pair.load(padded), PROMPTS[:2])
 
 
 def test_sampling_keeps_the_target_distribution(padded: Path) -> None:
-    from tests.test_sampling_e2e import exact_first_two, gof
-
-    loaded = Pair.load(padded)
-    pair = Pair(replace(loaded.manifest, eos_token_ids=()), loaded.tokenizer, loaded.target,
-                loaded.draft)
-    params = SamplingParams(temperature=1.0, top_k=40)
-    prompt = pair.encode_prompt("The quick brown")
-    first, second = exact_first_two(pair, prompt, params)
-    assert first[DRAFT_VOCAB:].sum() > 0.05, "the draft's missing ids carry target mass"
-    firsts, seconds, rejected = [], [], 0
-    for _ in range(1500):
-        # Unseeded: the rejection rule, where the draft's missing ids have draft probability 0
-        # (a seeded row verifies by the position-keyed race and never reads the draft's).
-        out, _, st = pair.generate_ids(prompt, GenerationConfig(
-            max_new_tokens=4, num_draft_tokens=2, adaptive=False, drafter="model",
-            sampling=params))  # 4: room for a round of 2 drafts after the prefill's token
-        firsts.append(out[0])
-        seconds.append(out[1])
-        rejected += st.proposed - st.accepted
-    assert rejected > 0
-    assert gof(firsts, first) > 1e-3 and gof(seconds, second) > 1e-3
+    sampling_keeps_the_target_distribution(Pair.load(padded),
+                                           np.arange(DRAFT_VOCAB, TARGET_VOCAB))
 
 
 def test_batched_rows_equal_their_batch1_runs(padded_concat: Path) -> None:
