@@ -225,7 +225,11 @@ def write_bridged_draft(tmp: Path, work: Path, draft: ModelSpec, found: VocabBri
                                                              found.input_map)):
         np.save(folder / name, array, allow_pickle=False)
         extra[str(rel_dir / name)] = sha256_file(folder / name)
+    source = {**spec.source, "vocab_bridge": {
+        "proposes": len(found.vocab_ids), "target_tokens": found.target_tokens,
+        "read_exactly": found.exact_inputs}}
     return dataclasses.replace(spec, files={**spec.files, **extra}, vocab_size=vocab_size,
+                               source=source,
                                vocab_ids=str(rel_dir / "vocab_ids.npy"),
                                input_id_map=str(rel_dir / "input_id_map.npy"),
                                input_vocab_size=draft.vocab_size)

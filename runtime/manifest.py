@@ -448,6 +448,8 @@ def describe(manifest: PairManifest) -> Mapping[str, Any]:
             out[name] = {"precision": spec.precision, "graph": spec.graph,
                          "layers": spec.num_layers, "max_seq_len": spec.max_seq_len,
                          "validation": spec.validation}
+            if spec.input_id_map is not None:  # a draft with its own tokenizer
+                out[name]["vocab_bridge"] = spec.source.get("vocab_bridge", True)
     out["defaults"] = asdict(manifest.defaults)
     if manifest.engines:
         out["engines"] = {name: {"path": e.path, "precision": e.precision,

@@ -176,6 +176,10 @@ def _print_export(report: Any) -> None:
         v = validations[0]
         click.echo(f"validated on {v.get('provider', '?')}"
                    + (f" ({v['note']})" if v.get("note") else ""))
+    bridged = report.manifest.draft.source.get("vocab_bridge") if report.manifest.draft else None
+    if isinstance(bridged, dict):
+        click.echo(f"the draft has its own tokenizer: it proposes {bridged.get('proposes')} of "
+                   f"the target's {bridged.get('target_tokens')} tokens (those both hold)")
     template = report.manifest.provenance.get("chat_template", {})
     d = report.manifest.defaults
     click.echo(f"chat template: {_template_source(template)}; defaults: {d.drafter} drafting, "

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from specedge.runtime.errors import SpecEdgeError
+from specedge.runtime.manifest import describe
 from specedge.runtime.pair import GenerationConfig, Pair
 from tests.draft_exactness import (
     greedy_equals_target_only,
@@ -143,6 +144,8 @@ def test_greedy_speculation_with_another_tokenizer_is_exact(pairs: dict[str, Pat
     assert pair.draft is not None and pair.draft.vocab_ids is not None
     assert 0 < len(pair.draft.vocab_ids) < pair.manifest.vocab_size  # an overlap in part
     assert draft.input_vocab_size == 384
+    summary = describe(pair.manifest)["draft"]["vocab_bridge"]  # what `specedge inspect` shows
+    assert summary["proposes"] == len(pair.draft.vocab_ids) and summary["target_tokens"] == 320
     assert _greedy(pair, k)[0] > 0
 
 
@@ -258,3 +261,18 @@ def test_a_draft_that_shares_almost_nothing_is_refused_before_any_build(
                                             "whose tokenizer is closer"):
         _export(pairs["target"], tmp_path / "out", draft=str(draft))
     assert not (tmp_path / "out").exists()
+
+
+@needs_torch
+@pytest.mark.export
+def test_the_cli_says_the_draft_has_its_own_tokenizer(pairs: dict[str, Path],
+                                                      tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+
+    result = CliRunner().invoke(main, ["export", str(pairs["target"]), "--draft",
+                                       str(pairs["other_hf"]), "-o", str(tmp_path / "pair")])
+    assert result.exit_code == 0, result.output
+    assert "the draft has its own tokenizer: it proposes" in result.output
+    assert "of the target's 320 tokens" in result.output
