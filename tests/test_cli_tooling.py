@@ -123,8 +123,10 @@ def test_tables_are_whole_when_stdout_is_not_a_terminal(monkeypatch: pytest.Monk
     from specedge import cli
 
     monkeypatch.delenv("COLUMNS", raising=False)
-    target = SimpleNamespace(precision="fp32", graph="gqa-shared", validation=_validation(5.34e-5))
-    draft = SimpleNamespace(precision="int4", graph="gqa-shared", validation=_validation(1.07))
+    target = SimpleNamespace(precision="fp32", graph="gqa-shared", validation=_validation(5.34e-5),
+                             source={})
+    draft = SimpleNamespace(precision="int4", graph="gqa-shared", validation=_validation(1.07),
+                            source={})
     report = SimpleNamespace(folder=Path("/pairs/smollm2-135m-instruct-reference-pair"),
                              seconds=45.6, peak_rss_mb=1884.0,
                              manifest=SimpleNamespace(
