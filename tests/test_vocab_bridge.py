@@ -276,3 +276,47 @@ def test_the_cli_says_the_draft_has_its_own_tokenizer(pairs: dict[str, Path],
     assert result.exit_code == 0, result.output
     assert "the draft has its own tokenizer: it proposes" in result.output
     assert "of the target's 320 tokens" in result.output
+
+
+@needs_torch
+@pytest.mark.export
+def test_a_server_with_a_bridged_draft_equals_target_only(pairs: dict[str, Path]) -> None:
+    """The server path: a real uvicorn server batching a bridged concat pair, real clients,
+    concurrent streams (greedy and seeded), each equal to the target's own decoding."""
+    import asyncio
+
+    import openai
+
+    from specedge.runtime.server import ServerOptions, create_app
+    from tests.test_serve import running, solo
+
+    pair = Pair.load(pairs["other_concat"])
+    app = create_app(pair, ServerOptions(max_batch=4, max_queue=16, drafter="model",
+                                         num_draft_tokens=3, adaptive=False))
+    cases = [(PROMPTS[i % len(PROMPTS)], 10 + 3 * i, 0.0 if i % 3 else 0.8, i)
+             for i in range(8)]
+
+    async def one(client: openai.AsyncOpenAI, case: tuple[str, int, float, int]
+                  ) -> tuple[str, int]:
+        prompt, n, temperature, seed = case
+        stream = await client.chat.completions.create(
+            model=pair.manifest.root.name, messages=[{"role": "user", "content": prompt}],
+            max_tokens=n, temperature=temperature, seed=seed, stream=True,
+            stream_options={"include_usage": True})
+        text, proposed = [], 0
+        async for chunk in stream:
+            text.extend(c.delta.content or "" for c in chunk.choices)
+            if chunk.usage is not None:
+                proposed = chunk.usage.model_extra["specedge"]["proposed"]
+        return "".join(text), proposed
+
+    async def main(url: str) -> list[tuple[str, int]]:
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*(one(client, c) for c in cases))
+
+    with running(app) as url:
+        got = asyncio.run(main(url))
+    assert sum(proposed for _, proposed in got) > 0  # the bridged draft proposed, in batches
+    for (prompt, n, temperature, seed), (text, _) in zip(cases, got, strict=True):
+        assert text == solo(pair, prompt, n, temperature, seed).text, (prompt, n, temperature)
