@@ -7,6 +7,9 @@ Candidates, each measured on held-out prompts (none assumed):
   fast uint8 layout);
 - the int4 and int8 self-drafts with their LM head restricted to the V' most frequent tokens of
   calibration text (`draft_head.py`; exact, the draft distribution stays valid);
+- separate draft models the user names (`drafts`: HF folders, hub ids, GGUF files), each
+  exported beside the target at `drafts_precision`; one with its own tokenizer is bridged to the
+  target's (`exporter/vocab_bridge.py`), so a small model of another family competes too;
 - model-free n-gram prompt lookup, and hybrid (n-gram when it hits, otherwise the best draft
   model found above).
 Calibration text is the target's own greedy output on calibration prompts that are disjoint from
@@ -52,6 +55,8 @@ SELF_DRAFTS = {"int8-rtn": ("int8 weight-only self-draft", True),
                "int4-rtn": ("int4 RTN self-draft (asymmetric)", True)}
 # Target precisions a search can export on a CPU (fp16 graphs are built for GPUs).
 PRECISIONS = ("fp32", "int8", "int4")
+# Precisions of the separate drafts (`--drafts`) a search exports on a CPU.
+SEPARATE_DRAFT_PRECISIONS = ("fp32", "int8", "int8-rtn", "int4")
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class DraftSearchOptions:
     calibration_prompts: tuple[str, ...] = CALIBRATION_PROMPTS
     ks: tuple[int, ...] = (2, 3, 4, 6)
     self_drafts: tuple[str, ...] = ("int8-rtn", "int4-hqq")
+    drafts: tuple[str, ...] = ()
+    drafts_precision: str = "int4"
     max_new_tokens: int = 96
     force: bool = False
 
@@ -76,6 +83,12 @@ class DraftSearchOptions:
             raise InputError("draft search needs evaluation prompts (--prompts FILE)")
         if set(self.eval_prompts) & set(self.calibration_prompts):
             raise InputError("evaluation and calibration prompts overlap; keep them disjoint")
+        if self.drafts_precision not in SEPARATE_DRAFT_PRECISIONS:
+            raise InputError(f"--draft-precision {self.drafts_precision!r}: use one of "
+                             f"{', '.join(SEPARATE_DRAFT_PRECISIONS)}")
+        if any(not d.strip() for d in self.drafts) or len(set(self.drafts)) < len(self.drafts):
+            raise InputError(f"--draft {listed(self.drafts)}: name each draft model once "
+                             "(an HF folder, a hub id or a .gguf file)")
         unknown = set(self.self_drafts) - set(SELF_DRAFTS)
         if unknown:
             raise InputError(f"--self-drafts {sorted(unknown)}: use {', '.join(SELF_DRAFTS)}")
@@ -147,6 +160,27 @@ def _self_draft_candidate(base: Path, dst: Path, method: str) -> float | None:
     return peak
 
 
+def _separate_draft_candidate(opts: DraftSearchOptions, src: str, folder: Path,
+                              say: Any) -> Candidate:
+    """A pair of the target and the draft model `src` (bridged when its tokenizer differs),
+    exported at `opts.drafts_precision`; its build time includes its own target export, whose
+    files equal the base pair's."""
+    t0 = time.perf_counter()
+    label = Path(src).name if Path(src).exists() else src
+    say(f"exporting the draft {label} ({opts.drafts_precision})")
+    report = export_pair(ExportOptions(target=opts.target, output=folder,
+                                       precision=opts.precision, draft=src,
+                                       draft_precision=opts.drafts_precision))
+    draft = report.manifest.draft
+    assert draft is not None
+    name = f"{label} ({opts.drafts_precision})"
+    bridged = draft.source.get("vocab_bridge")
+    if isinstance(bridged, dict):
+        name += f", own tokenizer ({bridged['proposes']} of {bridged['target_tokens']} tokens)"
+    return Candidate(name, report.folder, "model", time.perf_counter() - t0,
+                     peak_mib=_peak_rss_mib())
+
+
 def _measure_all(candidates: list[Candidate], base_folder: Path, prompts: list[list[int]],
                  opts: DraftSearchOptions) -> float:
     """Score every candidate and K in one pass, interleaved prompt by prompt with target-only.
@@ -203,7 +237,7 @@ def _measure_all(candidates: list[Candidate], base_folder: Path, prompts: list[l
 
 def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
     """Build, score and keep the best drafting for `opts.target`; returns the table."""
-    out = check_output(opts.output, force=opts.force, inputs=[opts.target])
+    out = check_output(opts.output, force=opts.force, inputs=[opts.target, *opts.drafts])
     require_modules("draft")
     work = Path(tempfile.mkdtemp(prefix=".specedge-draft-", dir=out.parent))
     try:
@@ -213,6 +247,9 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
                                          precision=opts.precision, draft_precision="int4"))
         candidates = [Candidate("int4 self-draft", base.folder, "model",
                                 time.perf_counter() - t0, peak_mib=_peak_rss_mib())]
+        # The drafts the user named first: one that cannot pair with the target fails early.
+        candidates += [_separate_draft_candidate(opts, src, work / f"draft-{i}", say)
+                       for i, src in enumerate(opts.drafts)]
         pair = Pair.load(base.folder)
         too_big = [v for v in opts.vocab_sizes if v >= pair.manifest.vocab_size]
         if too_big:

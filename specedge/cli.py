@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from specedge.calibration.draft_search import PRECISIONS as DRAFT_PRECISIONS
-from specedge.calibration.draft_search import SELF_DRAFTS
+from specedge.calibration.draft_search import SELF_DRAFTS, SEPARATE_DRAFT_PRECISIONS
 from specedge.cli_base import (
     FORCE,
     NO_VERIFY,
@@ -216,12 +216,19 @@ def _template_source(template: dict[str, Any]) -> str:
 @click.option("--self-drafts", default="int8-rtn,int4-hqq", show_default=True,
               type=CommaSeparated(SELF_DRAFTS, allow_empty=True),
               help=f"Quantized self-drafts to build ({', '.join(SELF_DRAFTS)}); '' for none.")
+@click.option("--draft", "drafts", multiple=True, metavar="SRC",
+              help="A separate draft model to score too (HF folder, hub id or .gguf; one with "
+                   "its own tokenizer is bridged to the target's); repeat for several.")
+@click.option("--draft-precision", default="int4", show_default=True,
+              type=click.Choice(SEPARATE_DRAFT_PRECISIONS),
+              help="Precision the --draft models are exported at.")
 @max_new_tokens_option(96)
 @FORCE
 @clean_errors
 def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: str,
           vocab_sizes: tuple[int, ...], ks: tuple[int, ...], self_drafts: tuple[str, ...],
-          max_new_tokens: int, force: bool) -> None:
+          drafts: tuple[str, ...], draft_precision: str, max_new_tokens: int,
+          force: bool) -> None:
     """Build candidate drafters for TARGET, score them on held-out prompts, keep the fastest."""
     from specedge.calibration.draft_search import (
         HEADERS,
@@ -233,7 +240,8 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
 
     opts = DraftSearchOptions(target=target, output=output, precision=precision,
                               vocab_sizes=vocab_sizes, ks=ks, max_new_tokens=max_new_tokens,
-                              self_drafts=self_drafts,
+                              self_drafts=self_drafts, drafts=drafts,
+                              drafts_precision=draft_precision,
                               eval_prompts=read_prompts(prompts_file)[:limit], force=force)
     with stage_status("draft search") as say:
         table = search(opts, say=say)

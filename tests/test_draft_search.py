@@ -51,3 +51,52 @@ def test_draft_search_builds_scores_and_keeps_the_winner(tmp_path: Path) -> None
     with pytest.raises(Exception, match="--self-drafts"):
         DraftSearchOptions(target=str(hf), output=tmp_path / "x", eval_prompts=("a",),
                            self_drafts=("int3",))
+
+
+def test_separate_drafts_compete_one_with_its_own_tokenizer(tmp_path: Path) -> None:
+    """`specedge draft --draft SRC`: a smaller model of the target's tokenizer and one of
+    another tokenizer (bridged) are exported, scored beside the self-draft, and hybrid over
+    each; whichever wins, the kept pair decodes exactly."""
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter.tiny import make_tiny_model
+    from specedge.runtime.pair import GenerationConfig, Pair
+    from tests.test_vocab_bridge import _other_tokenizer
+
+    target = make_tiny_model("llama", tmp_path / "target", seed=3)
+    small = make_tiny_model("llama", tmp_path / "small", seed=4, num_layers=1)
+    other = make_tiny_model("llama", tmp_path / "other", seed=5, num_layers=1,
+                            sizes={"vocab_size": 384})
+    _other_tokenizer(other)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown\ndef add(a, b):\n")
+    result = CliRunner().invoke(main, [
+        "draft", str(target), "-o", str(tmp_path / "pair"), "--prompts", str(prompts),
+        "--vocab-sizes", "", "--self-drafts", "", "--ks", "1,2", "--max-new-tokens", "12",
+        "--draft", str(small), "--draft", str(other), "--draft-precision", "int8-rtn"])
+    assert result.exit_code == 0, result.output
+    pair = Pair.load(tmp_path / "pair")
+    names = [c["name"] for c in pair.manifest.provenance["draft_search"]["candidates"]]
+    assert "small (int8-rtn)" in names
+    bridged = next(n for n in names if n.startswith("other (int8-rtn), own tokenizer ("))
+    assert f"hybrid n-gram + {bridged}" in names and "hybrid n-gram + small (int8-rtn)" in names
+    assert "kept: " in result.output
+    for prompt in ("The quick brown", "def add(a, b):"):
+        ids = pair.encode_prompt(prompt)
+        spec, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=16))
+        plain, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=16,
+                                                              drafter="none"))
+        assert spec == plain
+
+
+def test_separate_draft_options_are_checked(tmp_path: Path) -> None:
+    from specedge.calibration.draft_search import DraftSearchOptions
+    from specedge.runtime.errors import InputError
+
+    with pytest.raises(InputError, match="--draft-precision 'fp16'"):
+        DraftSearchOptions(target="t", output=tmp_path / "x", eval_prompts=("a",),
+                           drafts=("d",), drafts_precision="fp16")
+    with pytest.raises(InputError, match="name each draft model once"):
+        DraftSearchOptions(target="t", output=tmp_path / "x", eval_prompts=("a",),
+                           drafts=("d", "d"))
