@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from specedge.exporter import draft_head
+from specedge.exporter import draft_head, sources
 from specedge.exporter.pair import (
     ExportOptions,
     check_output,
@@ -239,6 +239,8 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
     """Build, score and keep the best drafting for `opts.target`; returns the table."""
     out = check_output(opts.output, force=opts.force, inputs=[opts.target, *opts.drafts])
     require_modules("draft")
+    for src in (opts.target, *opts.drafts):  # a typo fails now, not after the first builds
+        sources.source_kind(src, "target" if src == opts.target else "draft")
     work = Path(tempfile.mkdtemp(prefix=".specedge-draft-", dir=out.parent))
     try:
         t0 = time.perf_counter()

@@ -54,6 +54,35 @@ class Source:
         return {"kind": self.kind, "origin": self.origin}
 
 
+def source_kind(spec: str, name: str) -> str:
+    """What a user's model argument names, checked without converting or downloading anything:
+    "folder", "gguf" or "hub".
+
+    Raises:
+        ExportError: a missing path, a folder without config.json, a file that is not GGUF.
+    """
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ExportError(
+                f"{path}: no config.json; pass a Hugging Face model folder, a .gguf file or a "
+                f"hub id as the {name}")
+        return "folder"
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or _is_gguf(path):
+            return "gguf"
+        raise ExportError(
+            f"{path}: not a .gguf file nor a model folder; pass a Hugging Face folder, a .gguf "
+            "file or a hub id"
+        )
+    if path.exists():
+        raise ExportError(f"{path}: not a regular file nor a folder (a device, pipe or socket); "
+                          f"pass a Hugging Face folder, a .gguf file or a hub id as the {name}")
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
+        return "hub"
+    raise ExportError(f"{spec}: no such file or folder (and not a hub id like org/name)")
+
+
 def resolve(spec: str, work: Path, name: str) -> Source:
     """Turn a user's model argument into a local HF folder.
 
@@ -65,27 +94,13 @@ def resolve(spec: str, work: Path, name: str) -> Source:
     Raises:
         ExportError: missing path, corrupt GGUF, non-HF folder, failed download.
     """
+    kind = source_kind(spec, name)
     path = Path(spec).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ExportError(
-                f"{path}: no config.json; pass a Hugging Face model folder, a .gguf file or a "
-                "hub id as the {name}".replace("{name}", name)
-            )
-        return Source(path, "folder", spec)
-    if path.is_file():
-        if path.suffix.lower() == ".gguf" or _is_gguf(path):
-            return Source(gguf_to_folder(path, work / f"{name}-gguf"), "gguf", spec)
-        raise ExportError(
-            f"{path}: not a .gguf file nor a model folder; pass a Hugging Face folder, a .gguf "
-            "file or a hub id"
-        )
-    if path.exists():
-        raise ExportError(f"{path}: not a regular file nor a folder (a device, pipe or socket); "
-                          f"pass a Hugging Face folder, a .gguf file or a hub id as the {name}")
-    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
+    if kind == "gguf":
+        return Source(gguf_to_folder(path, work / f"{name}-gguf"), "gguf", spec)
+    if kind == "hub":
         return Source(download(spec, work / f"{name}-hub"), "hub", spec)
-    raise ExportError(f"{spec}: no such file or folder (and not a hub id like org/name)")
+    return Source(path, "folder", spec)
 
 
 def _is_gguf(path: Path) -> bool:

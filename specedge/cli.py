@@ -250,6 +250,9 @@ def draft(target: str, output: Path, prompts_file: Path, limit: int, precision: 
                            format_rows(table)))
     w = table["winner"]
     click.echo(f"kept: {w['name']} at K={w['k']} ({w['speedup']:.2f}x) -> {output}")
+    if w["speedup"] < 1.0:
+        click.echo("no candidate was faster than target-only here: decode this pair with "
+                   "--no-speculation, or score other drafts (--draft SRC)")
 
 
 @main.command()

@@ -82,6 +82,8 @@ def test_separate_drafts_compete_one_with_its_own_tokenizer(tmp_path: Path) -> N
     bridged = next(n for n in names if n.startswith("other (int8-rtn), own tokenizer ("))
     assert f"hybrid n-gram + {bridged}" in names and "hybrid n-gram + small (int8-rtn)" in names
     assert "kept: " in result.output
+    if pair.manifest.provenance["draft_search"]["winner"]["speedup"] < 1.0:
+        assert "no candidate was faster than target-only here" in result.output
     for prompt in ("The quick brown", "def add(a, b):"):
         ids = pair.encode_prompt(prompt)
         spec, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=16))
@@ -100,3 +102,28 @@ def test_separate_draft_options_are_checked(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="name each draft model once"):
         DraftSearchOptions(target="t", output=tmp_path / "x", eval_prompts=("a",),
                            drafts=("d", "d"))
+
+
+def test_a_missing_draft_fails_before_anything_is_built(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from specedge.calibration import draft_search
+    from specedge.cli import main
+    from specedge.exporter.tiny import make_tiny_model
+
+    def no_build(*_args: object, **_kw: object) -> None:
+        raise AssertionError("an export started before the drafts were checked")
+
+    monkeypatch.setattr(draft_search, "export_pair", no_build)
+
+    target = make_tiny_model("llama", tmp_path / "target", seed=3)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown\n")
+    result = CliRunner().invoke(main, ["draft", str(target), "-o", str(tmp_path / "pair"),
+                                       "--prompts", str(prompts), "--draft", "no/such/dir"])
+    assert result.exit_code != 0
+    assert "no/such/dir: no such file or folder" in result.output
+    assert "exporting" not in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "pair").exists()
+    assert not list(tmp_path.glob(".specedge-draft-*"))
