@@ -160,17 +160,17 @@ def _self_draft_candidate(base: Path, dst: Path, method: str) -> float | None:
     return peak
 
 
-def _separate_draft_candidate(opts: DraftSearchOptions, src: str, folder: Path,
+def _separate_draft_candidate(opts: DraftSearchOptions, src: str, base: Path, folder: Path,
                               say: Any) -> Candidate:
-    """A pair of the target and the draft model `src` (bridged when its tokenizer differs),
-    exported at `opts.drafts_precision`; its build time includes its own target export, whose
-    files equal the base pair's."""
+    """A pair of the base pair's target (copied, not exported again) and the draft model `src`
+    (bridged when its tokenizer differs), exported at `opts.drafts_precision`."""
     t0 = time.perf_counter()
     label = Path(src).name if Path(src).exists() else src
     say(f"exporting the draft {label} ({opts.drafts_precision})")
     report = export_pair(ExportOptions(target=opts.target, output=folder,
                                        precision=opts.precision, draft=src,
-                                       draft_precision=opts.drafts_precision))
+                                       draft_precision=opts.drafts_precision,
+                                       target_from=base))
     draft = report.manifest.draft
     assert draft is not None
     name = f"{label} ({opts.drafts_precision})"
@@ -250,7 +250,8 @@ def search(opts: DraftSearchOptions, say: Any = print) -> dict[str, Any]:
         candidates = [Candidate("int4 self-draft", base.folder, "model",
                                 time.perf_counter() - t0, peak_mib=_peak_rss_mib())]
         # The drafts the user named first: one that cannot pair with the target fails early.
-        candidates += [_separate_draft_candidate(opts, src, work / f"draft-{i}", say)
+        candidates += [_separate_draft_candidate(opts, src, base.folder, work / f"draft-{i}",
+                                                say)
                        for i, src in enumerate(opts.drafts)]
         pair = Pair.load(base.folder)
         too_big = [v for v in opts.vocab_sizes if v >= pair.manifest.vocab_size]

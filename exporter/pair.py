@@ -35,7 +35,16 @@ from specedge.runtime.manifest import (
     write_manifest,
 )
 
-from . import folder_files, onnx_export, quantize, sources, template_files, validate, vocab_bridge
+from . import (
+    folder_files,
+    onnx_export,
+    quantize,
+    sources,
+    target_reuse,
+    template_files,
+    validate,
+    vocab_bridge,
+)
 from .archs import arch_for, default_graph
 from .concat_form import RewriteUnsupported
 from .output import check_output, require_modules, staged_folder
@@ -78,6 +87,8 @@ class ExportOptions:
             the source's (HF folder or GGUF metadata).
         drafter: the pair's default drafter (None: "model" with a draft model, else "ngram").
         adaptive: the pair's default for adaptive K (None: the manifest's default).
+        target_from: an exported pair whose target (the same source, precision, provider and
+            graph form) is copied instead of exported again (`target_reuse`).
     """
 
     target: str
@@ -95,6 +106,7 @@ class ExportOptions:
     chat_template: Path | None = None
     drafter: str | None = None
     adaptive: bool | None = None
+    target_from: Path | None = None
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:
@@ -148,7 +160,7 @@ class ExportReport:
 
 def _check_output(opts: ExportOptions) -> Path:
     return check_output(opts.output, force=opts.force,
-                        inputs=[opts.target, opts.draft, opts.chat_template])
+                        inputs=[opts.target, opts.draft, opts.chat_template, opts.target_from])
 
 
 def _builder_writes(precision: str, opts: ExportOptions) -> bool:
@@ -309,15 +321,21 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         sources.check_folder(draft_src.folder, "draft", own_template=False)
         if bridged:  # refused before anything is built when it shares too little
             vocab_bridge.for_folders(target_src.folder, draft_src.folder)
-    say(f"exporting the target ({opts.precision})")
-    built = _export_model(target_src, opts.precision, "target", opts, tmp, work)
-    target = built.spec
+    fp32_target: onnx_export.GraphInfo | None = None
+    if opts.target_from is not None:
+        say(f"copying the target from {opts.target_from}")
+        target = target_reuse.reused_target(opts.target_from, target_src, opts.precision,
+                                            opts.provider, opts.graph, tmp)
+    else:
+        say(f"exporting the target ({opts.precision})")
+        built = _export_model(target_src, opts.precision, "target", opts, tmp, work)
+        target, fp32_target = built.spec, built.graph
     draft, bridge = None, None
     if draft_src is not None and draft_precision is not None:
         say(f"exporting the draft ({draft_precision})")
         # A self-draft of an fp32 target is quantized from the target's files.
         draft_opts = dataclasses.replace(opts, graph=opts.draft_graph or opts.graph)
-        reuse = built.graph if (
+        reuse = fp32_target if (
             draft_src is target_src and target.precision == "fp32"
             and draft_opts.graph == opts.graph
             and draft_precision in quantize.EXPORT_METHODS
@@ -342,7 +360,7 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
     if opts.validate:
         say("validating against torch")
         target, draft = _validate(tmp, target, draft, target_src, draft_src, opts.provider,
-                                  bridge)
+                                  bridge, validate_target=opts.target_from is None)
     defaults = Defaults(drafter=opts.drafter or ("model" if draft else "ngram"),
                         num_draft_tokens=opts.num_draft_tokens)
     if opts.adaptive is not None:
@@ -353,7 +371,9 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         tokenizer_files=tokenizer_files, defaults=defaults,
         provenance={"specedge": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                       time.gmtime()),
-                    "provider": opts.provider, "chat_template": template},
+                    "provider": opts.provider, "chat_template": template,
+                    **({"target_from": str(opts.target_from.absolute())}
+                       if opts.target_from is not None else {})},
     )
     write_manifest(manifest, tmp)
     return manifest
@@ -375,11 +395,11 @@ def _pad_draft_vocab(tmp: Path, draft: ModelSpec, vocab_size: int) -> ModelSpec:
 
 def _validate(tmp: Path, target: ModelSpec, draft: ModelSpec | None,
               target_src: sources.Source, draft_src: sources.Source | None, provider: str,
-              bridge: vocab_bridge.VocabBridge | None = None
+              bridge: vocab_bridge.VocabBridge | None = None, validate_target: bool = True
               ) -> tuple[ModelSpec, ModelSpec | None]:
     """Compare both models with torch on the export's provider (on CPU when it cannot run
     here, which the result says). A bridged draft (`bridge`) is compared on the ids it is fed
-    and the columns it keeps."""
+    and the columns it keeps; a reused target (`validate_target` False) keeps its record."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(target_src.folder / "tokenizer.json"))
@@ -388,16 +408,19 @@ def _validate(tmp: Path, target: ModelSpec, draft: ModelSpec | None,
     ids = validate.validation_ids(min(spec.input_vocab_size or spec.vocab_size
                                       for spec in (target, draft) if spec is not None
                                       and spec.input_id_map is None), text)
-    ref = validate.torch_logits(target_src.folder, ids)
-    target = dataclasses.replace(target, validation=validate.validate_model(
-        tmp, target, "target", ref, ids, provider=provider))
+    ref = validate.torch_logits(target_src.folder, ids) if validate_target or (
+        draft_src is not None and draft_src.folder == target_src.folder) else None
+    if validate_target:
+        assert ref is not None
+        target = dataclasses.replace(target, validation=validate.validate_model(
+            tmp, target, "target", ref, ids, provider=provider))
     if draft is not None and draft_src is not None:
         if bridge is not None:
             dref = validate.torch_logits(draft_src.folder, bridge.input_map[ids])[
                 :, bridge.columns]
         else:
-            dref = ref if draft_src.folder == target_src.folder else validate.torch_logits(
-                draft_src.folder, ids)
+            dref = ref if draft_src.folder == target_src.folder and ref is not None \
+                else validate.torch_logits(draft_src.folder, ids)
         draft = dataclasses.replace(draft, validation=validate.validate_model(
             tmp, draft, "draft", dref, ids, provider=provider))
     return target, draft

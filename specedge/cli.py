@@ -95,6 +95,11 @@ def main(verbose: int) -> None:
 @click.option("--draft-graph", default=None, type=click.Choice(GRAPHS),
               help="The draft's graph form, where it differs from --graph (a gqa-shared draft "
                    "beside a concat target also batches, its steps in place).")
+@click.option("--target-from", "target_from", default=None, metavar="PAIR",
+              type=click.Path(path_type=Path),
+              help="Copy the target of this exported pair instead of exporting it again (to try "
+                   "another draft); PAIR must hold TARGET at the same --precision, --provider "
+                   "and --graph.")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with torch.")
 @click.option("--calibrate", "calibrate_method", default=None, type=click.Choice(METHODS),
               help="Then quantize the (fp32) target with this method, as `specedge quantize`.")
@@ -104,8 +109,9 @@ def main(verbose: int) -> None:
 @clean_errors
 def export(target: str, output: Path, draft: str | None, precision: str | None,
            draft_precision: str | None, provider: str, num_draft_tokens: int | None,
-           chat_template: Path | None, graph: str, draft_graph: str | None, no_validate: bool,
-           calibrate_method: str | None, data_file: Path | None, force: bool) -> None:
+           chat_template: Path | None, graph: str, draft_graph: str | None,
+           target_from: Path | None, no_validate: bool, calibrate_method: str | None,
+           data_file: Path | None, force: bool) -> None:
     """Export TARGET (HF folder, hub id or .gguf) and a draft into a validated pair folder.
 
     Without --precision, --draft-precision or --draft on cpu, it writes the fast CPU pair: an
@@ -129,7 +135,7 @@ def export(target: str, output: Path, draft: str | None, precision: str | None,
         "draft_precision": draft_precision, "provider": provider,
         "num_draft_tokens": 3 if num_draft_tokens is None else num_draft_tokens, "force": force,
         "validate": not no_validate, "graph": None if graph == "auto" else graph,
-        "draft_graph": draft_graph,
+        "draft_graph": draft_graph, "target_from": target_from,
         "chat_template": chat_template, **picked})
     if calibrate_method and opts.precision != "fp32":
         raise InputError("--calibrate quantizes an fp32 target: use --precision fp32")

@@ -53,15 +53,17 @@ def test_draft_search_builds_scores_and_keeps_the_winner(tmp_path: Path) -> None
                            self_drafts=("int3",))
 
 
-def test_separate_drafts_compete_one_with_its_own_tokenizer(tmp_path: Path) -> None:
+def test_separate_drafts_compete_one_with_its_own_tokenizer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`specedge draft --draft SRC`: a smaller model of the target's tokenizer and one of
-    another tokenizer (bridged) are exported, scored beside the self-draft, and hybrid over
-    each; whichever wins, the kept pair decodes exactly."""
+    another tokenizer (bridged) are exported beside the target (exported once), scored beside
+    the self-draft, and hybrid over each; whichever wins, the kept pair decodes exactly."""
     from click.testing import CliRunner
 
     from specedge.cli import main
     from specedge.exporter.tiny import make_tiny_model
     from specedge.runtime.pair import GenerationConfig, Pair
+    from tests.test_target_reuse import _count_exports
     from tests.test_vocab_bridge import _other_tokenizer
 
     target = make_tiny_model("llama", tmp_path / "target", seed=3)
@@ -71,11 +73,13 @@ def test_separate_drafts_compete_one_with_its_own_tokenizer(tmp_path: Path) -> N
     _other_tokenizer(other)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The quick brown\ndef add(a, b):\n")
+    built = _count_exports(monkeypatch)
     result = CliRunner().invoke(main, [
         "draft", str(target), "-o", str(tmp_path / "pair"), "--prompts", str(prompts),
         "--vocab-sizes", "", "--self-drafts", "", "--ks", "1,2", "--max-new-tokens", "12",
         "--draft", str(small), "--draft", str(other), "--draft-precision", "int8-rtn"])
     assert result.exit_code == 0, result.output
+    assert built.count("target") == 1  # each draft's pair copies the base pair's target
     pair = Pair.load(tmp_path / "pair")
     names = [c["name"] for c in pair.manifest.provenance["draft_search"]["candidates"]]
     assert "small (int8-rtn)" in names

@@ -1,0 +1,128 @@
+"""`specedge export --target-from PAIR`: a new draft beside a target already exported, which is
+copied, not exported again; a pair of another target, precision or provider is refused in one
+line before the draft is built."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.export,
+    pytest.mark.skipif(importlib.util.find_spec("onnx") is None, reason="needs [export]"),
+]
+
+
+def _count_exports(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the models `export_pair` builds from here on."""
+    from specedge.exporter import pair as pair_mod
+
+    built: list[str] = []
+    real = pair_mod._export_model
+
+    def counted(src: Any, precision: str, name: str, *args: Any, **kw: Any) -> Any:
+        built.append(name)
+        return real(src, precision, name, *args, **kw)
+
+    monkeypatch.setattr(pair_mod, "_export_model", counted)
+    return built
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny target and the pair exported from it (fp32 target, int8-rtn self-draft)."""
+    from specedge.exporter.pair import ExportOptions, export_pair
+    from specedge.exporter.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("reuse")
+    target = make_tiny_model("llama", root / "target", seed=3)
+    export_pair(ExportOptions(target=str(target), output=root / "pair",
+                              draft_precision="int8-rtn"))
+    return target, root / "pair"
+
+
+def test_a_new_draft_beside_a_copied_target_decodes_exactly(
+        base: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter.tiny import make_tiny_model
+    from specedge.runtime.manifest import load_manifest
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    target, pair = base
+    small = make_tiny_model("llama", tmp_path / "small", seed=4, num_layers=1)
+    built = _count_exports(monkeypatch)
+    result = CliRunner().invoke(main, ["export", str(target), "-o", str(tmp_path / "new"),
+                                       "--precision", "fp32", "--draft", str(small),
+                                       "--draft-precision", "int8-rtn",
+                                       "--target-from", str(pair)])
+    assert result.exit_code == 0, result.output
+    assert built == ["draft"]  # the target was not exported again
+    old, new = load_manifest(pair), load_manifest(tmp_path / "new")
+    assert new.target.files == old.target.files  # the same bytes, checked by their hashes
+    assert new.target.validation == old.target.validation
+    assert new.draft is not None and new.draft.validation["passed"]
+    assert new.draft.source["origin"] == str(small)
+    assert new.provenance["target_from"] == str(pair.absolute())
+    decoded = Pair.load(tmp_path / "new")
+    for prompt in ("The quick brown", "def add(a, b):"):
+        ids = decoded.encode_prompt(prompt)
+        spec, _, st = decoded.generate_ids(ids, GenerationConfig(max_new_tokens=16))
+        plain, _, _ = decoded.generate_ids(ids, GenerationConfig(max_new_tokens=16,
+                                                                 drafter="none"))
+        assert spec == plain and st.proposed > 0
+
+
+@pytest.mark.parametrize(("args", "why"), [
+    (["--precision", "int8"], "its target's precision is fp32, not int8"),
+    (["--precision", "fp32", "--graph", "concat"], "its target's graph is gqa-shared, not concat"),
+])
+def test_a_pair_of_other_options_is_refused_before_the_draft_is_built(
+        base: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        args: list[str], why: str) -> None:
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+
+    target, pair = base
+    built = _count_exports(monkeypatch)
+    result = CliRunner().invoke(main, ["export", str(target), "-o", str(tmp_path / "new"),
+                                       "--draft-precision", "int8-rtn", "--target-from",
+                                       str(pair), *args])
+    assert result.exit_code != 0
+    assert why in result.output and "drop --target-from" in result.output
+    assert "Traceback" not in result.output and built == []
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_pair_of_another_target_is_refused(base: tuple[Path, Path], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter.tiny import make_tiny_model
+
+    _, pair = base
+    other = make_tiny_model("llama", tmp_path / "other", seed=9)
+    result = CliRunner().invoke(main, ["export", str(other), "-o", str(tmp_path / "new"),
+                                       "--precision", "fp32", "--target-from", str(pair)])
+    assert result.exit_code != 0
+    assert "its target's source is folder " in result.output
+    assert f"not folder {other}" in result.output
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_output_cannot_be_the_pair_it_copies(base: tuple[Path, Path]) -> None:
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+
+    target, pair = base
+    result = CliRunner().invoke(main, ["export", str(target), "-o", str(pair), "--force",
+                                       "--precision", "fp32", "--target-from", str(pair)])
+    assert result.exit_code != 0
+    assert "writing the output there would delete it" in result.output
+    assert (pair / "specedge.json").is_file()
