@@ -304,7 +304,15 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
     """Export the pair of `opts` into the staging folder `tmp` (`work`: scratch space) and
     write its manifest; returns it (its root `out`, where the pair goes next)."""
     say("resolving the target")
-    target_src = sources.resolve(opts.target, work, "target")
+    # A target copied from a pair needs its weights only to be quantized into a self-draft.
+    self_draft = opts.draft is None and opts.draft_precision is not None
+    target_src = sources.resolve(opts.target, work, "target",
+                                 weights=opts.target_from is None or self_draft)
+    reused: ModelSpec | None = None
+    if opts.target_from is not None:  # a mismatch fails before the draft is read
+        say(f"copying the target from {opts.target_from}")
+        reused = target_reuse.reused_target(opts.target_from, target_src, opts.precision,
+                                            opts.provider, opts.graph, tmp)
     draft_src: sources.Source | None = None
     draft_precision = opts.draft_precision
     if opts.draft is not None:
@@ -322,10 +330,8 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         if bridged:  # refused before anything is built when it shares too little
             vocab_bridge.for_folders(target_src.folder, draft_src.folder)
     fp32_target: onnx_export.GraphInfo | None = None
-    if opts.target_from is not None:
-        say(f"copying the target from {opts.target_from}")
-        target = target_reuse.reused_target(opts.target_from, target_src, opts.precision,
-                                            opts.provider, opts.graph, tmp)
+    if reused is not None:
+        target = reused
     else:
         say(f"exporting the target ({opts.precision})")
         built = _export_model(target_src, opts.precision, "target", opts, tmp, work)

@@ -83,13 +83,16 @@ def source_kind(spec: str, name: str) -> str:
     raise ExportError(f"{spec}: no such file or folder (and not a hub id like org/name)")
 
 
-def resolve(spec: str, work: Path, name: str) -> Source:
+def resolve(spec: str, work: Path, name: str, *, weights: bool = True) -> Source:
     """Turn a user's model argument into a local HF folder.
 
     Args:
         spec: a folder, a `.gguf` file, or a hub id like `HuggingFaceTB/SmolLM2-135M-Instruct`.
         work: scratch folder for conversions and downloads.
         name: "target" or "draft", for messages and scratch names.
+        weights: False when only its config and tokenizer are read (a target whose model is
+            copied from an exported pair): a GGUF is not dequantized, a hub model's weights
+            are not downloaded.
 
     Raises:
         ExportError: missing path, corrupt GGUF, non-HF folder, failed download.
@@ -97,9 +100,9 @@ def resolve(spec: str, work: Path, name: str) -> Source:
     kind = source_kind(spec, name)
     path = Path(spec).expanduser()
     if kind == "gguf":
-        return Source(gguf_to_folder(path, work / f"{name}-gguf"), "gguf", spec)
+        return Source(gguf_to_folder(path, work / f"{name}-gguf", weights=weights), "gguf", spec)
     if kind == "hub":
-        return Source(download(spec, work / f"{name}-hub"), "hub", spec)
+        return Source(download(spec, work / f"{name}-hub", weights=weights), "hub", spec)
     return Source(path, "folder", spec)
 
 
@@ -108,14 +111,16 @@ def _is_gguf(path: Path) -> bool:
         return fh.read(4) == b"GGUF"
 
 
-def download(repo_id: str, out: Path) -> Path:
-    """Download the files an export needs from the Hugging Face hub."""
+def download(repo_id: str, out: Path, *, weights: bool = True) -> Path:
+    """Download the files an export needs from the Hugging Face hub (without `weights`: all but
+    the safetensors)."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - part of the [export] extra
         raise ExportError("huggingface_hub is missing; pip install 'specedge[export]'") from None
     try:
-        folder = snapshot_download(repo_id, local_dir=str(out), allow_patterns=_HUB_PATTERNS)
+        folder = snapshot_download(repo_id, local_dir=str(out), allow_patterns=_HUB_PATTERNS,
+                                   ignore_patterns=None if weights else ["*.safetensors"])
     except Exception as exc:  # the hub client raises many types (offline, 404, auth)
         raise ExportError(
             f"{repo_id}: could not download from the Hugging Face hub ({type(exc).__name__}: "
@@ -125,26 +130,34 @@ def download(repo_id: str, out: Path) -> Path:
     return Path(folder)
 
 
-def gguf_to_folder(gguf: Path, out: Path) -> Path:
+def gguf_to_folder(gguf: Path, out: Path, *, weights: bool = True) -> Path:
     """Dequantize a GGUF checkpoint into a float32 Hugging Face folder.
 
     Memory: the weights are dequantized once into one torch model, written straight to
     safetensors (tied weights once) and freed before this returns, so the peak is about one
     fp32 copy of the weights plus the GGUF file. The GGUF's `tokenizer.chat_template` becomes
-    chat_template.jinja when the file has one.
+    chat_template.jinja when the file has one. Without `weights`, only the config, tokenizer
+    and template are written (in about a second, where dequantizing takes minutes for a 7B).
     """
     import gc
 
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if not _is_gguf(gguf):
         raise ExportError(f"{gguf}: not a GGUF file (bad magic bytes); check the download")
+    loaded: Any = None
     try:
-        result: Any = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True)
-        loaded, info = result
+        if weights:
+            result: Any = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                output_loading_info=True)
+            loaded, info = result
+            config = loaded.config
+        else:
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as exc:  # gguf / transformers raise many types for corrupt files
         msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
@@ -152,24 +165,30 @@ def gguf_to_folder(gguf: Path, out: Path) -> Path:
             f"{gguf}: could not read the GGUF file ({msg}); the file is corrupt, truncated or "
             "of an architecture transformers cannot dequantize"
         ) from None
-    check_loading_info(gguf, info)  # a tensor the file lacks would be random in the export
-    cfg = loaded.config.to_dict()
+    cfg = config.to_dict()
     cfg.pop("quantization_config", None)
     cfg.pop("torch_dtype", None)
     cfg["dtype"] = "float32"
-    cfg["architectures"] = cfg.get("architectures") or [type(loaded).__name__]
-    tied = bool(cfg.get("tie_word_embeddings"))
+    cfg["architectures"] = cfg.get("architectures") or [
+        type(loaded).__name__ if loaded is not None
+        else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.get("model_type"), "")]
     out.mkdir(parents=True, exist_ok=True)
-    # One copy of the weights: the state dict shares the model's storage; a tied LM head is the
-    # embedding matrix itself, so it is left out (transformers re-ties it on load).
-    state = {k: v.detach().contiguous() for k, v in loaded.state_dict().items()
-             if not (tied and k == "lm_head.weight")}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    if loaded.generation_config is not None:
-        loaded.generation_config.save_pretrained(str(out))
-    del state, loaded
-    gc.collect()
+    if loaded is not None:
+        check_loading_info(gguf, info)  # a tensor the file lacks would be random in the export
+        tied = bool(cfg.get("tie_word_embeddings"))
+        # One copy of the weights: the state dict shares the model's storage; a tied LM head
+        # is the embedding matrix itself, so it is left out (transformers re-ties it on load).
+        state = {k: v.detach().contiguous() for k, v in loaded.state_dict().items()
+                 if not (tied and k == "lm_head.weight")}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        generation = loaded.generation_config
+        del state, loaded
+        gc.collect()
+    else:  # what from_pretrained gives a GGUF model (the file holds no generation config)
+        generation = GenerationConfig.from_model_config(config)
+    if generation is not None:
+        generation.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     template = gguf_chat_template(gguf)
     if template is not None:

@@ -126,3 +126,47 @@ def test_the_output_cannot_be_the_pair_it_copies(base: tuple[Path, Path]) -> Non
     assert result.exit_code != 0
     assert "writing the output there would delete it" in result.output
     assert (pair / "specedge.json").is_file()
+
+
+def test_a_gguf_target_beside_a_new_draft_is_not_dequantized_again(
+        reference_pair_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference pair's target beside a new int4 draft (the same GGUF): only the draft is
+    dequantized; the target's GGUF gives its config and tokenizer, which match the pair's."""
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter import sources
+    from specedge.runtime.manifest import load_manifest
+    from specedge.runtime.pair import GenerationConfig, Pair
+
+    ref = load_manifest(reference_pair_dir)
+    gguf = Path(str(ref.target.source.get("origin")))
+    if ref.target.source.get("kind") != "gguf" or not gguf.is_file():
+        pytest.skip(f"the reference pair's GGUF {gguf} is not here")
+    calls: list[tuple[str, bool]] = []
+    real = sources.gguf_to_folder
+
+    def recorded(path: Path, out: Path, *, weights: bool = True) -> Path:
+        calls.append((out.name, weights))
+        return real(path, out, weights=weights)
+
+    monkeypatch.setattr(sources, "gguf_to_folder", recorded)
+    result = CliRunner().invoke(main, ["export", str(gguf), "-o", str(tmp_path / "new"),
+                                       "--precision", "fp32", "--draft", str(gguf),
+                                       "--draft-precision", "int4", "--target-from",
+                                       str(reference_pair_dir)])
+    assert result.exit_code == 0, result.output
+    assert calls == [("target-gguf", False), ("draft-gguf", True)]
+    new = load_manifest(tmp_path / "new")
+    assert new.target.files == ref.target.files
+    assert new.tokenizer_files == ref.tokenizer_files
+    assert (new.bos_token_id, new.eos_token_ids, new.pad_token_id) == (
+        ref.bos_token_id, ref.eos_token_ids, ref.pad_token_id)
+    assert new.draft is not None and new.draft.validation["passed"]
+    pair = Pair.load(tmp_path / "new")
+    for prompt in ("What is the capital of France?", "Write a haiku about the sea."):
+        ids = pair.encode_prompt(prompt, chat=True)
+        spec, _, st = pair.generate_ids(ids, GenerationConfig(max_new_tokens=24))
+        plain, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=24,
+                                                              drafter="none"))
+        assert spec == plain and st.accepted > 0
