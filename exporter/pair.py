@@ -365,8 +365,9 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
                                            folder_files.read_config(target_src.folder))
     if opts.validate:
         say("validating against torch")
-        target, draft = _validate(tmp, target, draft, target_src, draft_src, opts.provider,
-                                  bridge, validate_target=opts.target_from is None)
+        target, draft = validate.validate_pair(
+            tmp, target, draft, target_src.folder, draft_src.folder if draft_src else None,
+            opts.provider, bridge, validate_target=opts.target_from is None)
     defaults = Defaults(drafter=opts.drafter or ("model" if draft else "ngram"),
                         num_draft_tokens=opts.num_draft_tokens)
     if opts.adaptive is not None:
@@ -397,36 +398,3 @@ def _pad_draft_vocab(tmp: Path, draft: ModelSpec, vocab_size: int) -> ModelSpec:
     return dataclasses.replace(draft, files={**draft.files, rel: sha256_file(tmp / rel)},
                                vocab_size=vocab_size, vocab_ids=rel,
                                input_vocab_size=draft.vocab_size)
-
-
-def _validate(tmp: Path, target: ModelSpec, draft: ModelSpec | None,
-              target_src: sources.Source, draft_src: sources.Source | None, provider: str,
-              bridge: vocab_bridge.VocabBridge | None = None, validate_target: bool = True
-              ) -> tuple[ModelSpec, ModelSpec | None]:
-    """Compare both models with torch on the export's provider (on CPU when it cannot run
-    here, which the result says). A bridged draft (`bridge`) is compared on the ids it is fed
-    and the columns it keeps; a reused target (`validate_target` False) keeps its record."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(target_src.folder / "tokenizer.json"))
-    text = tok.encode("Speculative decoding makes edge devices fast, and exact too.").ids
-    # ids every model embeds (a padded draft's table may be the smaller)
-    ids = validate.validation_ids(min(spec.input_vocab_size or spec.vocab_size
-                                      for spec in (target, draft) if spec is not None
-                                      and spec.input_id_map is None), text)
-    ref = validate.torch_logits(target_src.folder, ids) if validate_target or (
-        draft_src is not None and draft_src.folder == target_src.folder) else None
-    if validate_target:
-        assert ref is not None
-        target = dataclasses.replace(target, validation=validate.validate_model(
-            tmp, target, "target", ref, ids, provider=provider))
-    if draft is not None and draft_src is not None:
-        if bridge is not None:
-            dref = validate.torch_logits(draft_src.folder, bridge.input_map[ids])[
-                :, bridge.columns]
-        else:
-            dref = ref if draft_src.folder == target_src.folder and ref is not None \
-                else validate.torch_logits(draft_src.folder, ids)
-        draft = dataclasses.replace(draft, validation=validate.validate_model(
-            tmp, draft, "draft", dref, ids, provider=provider))
-    return target, draft

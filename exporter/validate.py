@@ -1,4 +1,5 @@
-"""Validate an exported model against torch: a prefill, then a multi-token step with a past.
+"""Validate an exported model (and a pair's two, `validate_pair`) against torch: a prefill, then a
+multi-token step with a past.
 
 The ONNX side runs through the runtime's own backend (IO binding, shared KV buffers), so what is
 validated is exactly what `generate` will run. Reports max |Δlogits|, top-1 agreement and the mean
@@ -13,8 +14,9 @@ its CPU kernels), with the reason (`validation_provider`).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +26,9 @@ from specedge.runtime.manifest import ModelSpec
 from specedge.runtime.sessions import SessionConfig
 
 from .checkpoint import load_complete
+
+if TYPE_CHECKING:
+    from .vocab_bridge import VocabBridge
 
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
 FP16_RELATIVE = 1e-2  # fp16: max |Δ| may reach 1% of the largest |logit| (about 10 fp16 steps)
@@ -145,3 +150,33 @@ def validation_ids(vocab_size: int, text_ids: list[int] | None, seed: int = 0) -
     ids = list(text_ids or [])[: PREFILL + STEP]
     ids += list(rng.integers(3, vocab_size, PREFILL + STEP - len(ids)))
     return np.asarray([ids], dtype=np.int64)
+
+
+def validate_pair(tmp: Path, target: ModelSpec, draft: ModelSpec | None, target_folder: Path,
+                  draft_folder: Path | None, provider: str, bridge: VocabBridge | None = None,
+                  validate_target: bool = True) -> tuple[ModelSpec, ModelSpec | None]:
+    """Compare both models of the pair staged in `tmp` with torch (their HF folders) on the
+    export's provider (on CPU when it cannot run here, which the result says); returns their
+    specs with the results. A bridged draft (`bridge`) is compared on the ids it is fed and the
+    columns it keeps; a reused target (`validate_target` False) keeps its record."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(target_folder / "tokenizer.json"))
+    text = tok.encode("Speculative decoding makes edge devices fast, and exact too.").ids
+    # ids every model embeds (a padded draft's table may be the smaller)
+    ids = validation_ids(min(spec.input_vocab_size or spec.vocab_size
+                             for spec in (target, draft) if spec is not None
+                             and spec.input_id_map is None), text)
+    self_draft = draft_folder == target_folder
+    ref = torch_logits(target_folder, ids) if validate_target or self_draft else None
+    if ref is not None and validate_target:
+        target = dataclasses.replace(target, validation=validate_model(
+            tmp, target, "target", ref, ids, provider=provider))
+    if draft is not None and draft_folder is not None:
+        if bridge is not None:
+            dref = torch_logits(draft_folder, bridge.input_map[ids])[:, bridge.columns]
+        else:
+            dref = ref if self_draft and ref is not None else torch_logits(draft_folder, ids)
+        draft = dataclasses.replace(draft, validation=validate_model(
+            tmp, draft, "draft", dref, ids, provider=provider))
+    return target, draft
