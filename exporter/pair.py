@@ -304,8 +304,11 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
     """Export the pair of `opts` into the staging folder `tmp` (`work`: scratch space) and
     write its manifest; returns it (its root `out`, where the pair goes next)."""
     say("resolving the target")
+    draft_precision = opts.draft_precision or ("fp32" if opts.draft is not None else None)
+    # A self-draft: no --draft, or the target's own file again (converted once, not twice).
+    self_draft = draft_precision is not None and (
+        opts.draft is None or sources.same_argument(opts.draft, opts.target))
     # A target copied from a pair needs its weights only to be quantized into a self-draft.
-    self_draft = opts.draft is None and opts.draft_precision is not None
     target_src = sources.resolve(opts.target, work, "target",
                                  weights=opts.target_from is None or self_draft)
     reused: ModelSpec | None = None
@@ -314,13 +317,11 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         reused = target_reuse.reused_target(opts.target_from, target_src, opts.precision,
                                             opts.provider, opts.graph, tmp)
     draft_src: sources.Source | None = None
-    draft_precision = opts.draft_precision
-    if opts.draft is not None:
+    if self_draft:
+        draft_src = target_src  # the same model at another precision
+    elif opts.draft is not None:
         say("resolving the draft")
         draft_src = sources.resolve(opts.draft, work, "draft")
-        draft_precision = draft_precision or "fp32"
-    elif draft_precision is not None:
-        draft_src = target_src  # self-draft: the same model at another precision
     # Everything the export reads from the folders, checked before any model is built.
     sources.check_folder(target_src.folder, "target", own_template=opts.chat_template is None)
     bridged = draft_src is not None and draft_src.folder != target_src.folder and \

@@ -83,6 +83,15 @@ def source_kind(spec: str, name: str) -> str:
     raise ExportError(f"{spec}: no such file or folder (and not a hub id like org/name)")
 
 
+def same_argument(a: str, b: str) -> bool:
+    """Whether two model arguments name the same model: hub ids compared as written, local
+    paths resolved (`./m.gguf` and its absolute path are one file)."""
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() or pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
 def resolve(spec: str, work: Path, name: str, *, weights: bool = True) -> Source:
     """Turn a user's model argument into a local HF folder.
 

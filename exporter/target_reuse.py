@@ -19,13 +19,6 @@ from specedge.runtime.manifest import ModelSpec, load_manifest
 from . import quantize, sources
 
 
-def _same_origin(recorded: str, given: str, kind: str) -> bool:
-    """Whether two source arguments name the same model: local paths compared resolved."""
-    if kind == "hub":
-        return recorded == given
-    return Path(recorded).expanduser().resolve() == Path(given).expanduser().resolve()
-
-
 def reused_target(pair: Path, src: sources.Source, precision: str, provider: str,
                   graph: str | None, tmp: Path) -> ModelSpec:
     """Copy the target of the exported `pair` into the staging folder `tmp`; returns its spec.
@@ -50,7 +43,7 @@ def reused_target(pair: Path, src: sources.Source, precision: str, provider: str
     origin = f"{target.source.get('kind')} {target.source.get('origin')}"
     checks = [("source", f"{src.kind} {src.origin}", origin,
                target.source.get("kind") == src.kind
-               and _same_origin(str(target.source.get("origin")), src.origin, src.kind)),
+               and sources.same_argument(str(target.source.get("origin")), src.origin)),
               ("precision", precision, written, written == precision),
               ("provider", provider, manifest.provenance.get("provider"),
                manifest.provenance.get("provider") == provider)]

@@ -5,6 +5,7 @@ line before the draft is built."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -151,8 +152,10 @@ def test_a_gguf_target_beside_a_new_draft_is_not_dequantized_again(
         return real(path, out, weights=weights)
 
     monkeypatch.setattr(sources, "gguf_to_folder", recorded)
+    draft = tmp_path / "draft.gguf"  # another file: a separate draft (the same is a self-draft)
+    shutil.copyfile(gguf, draft)
     result = CliRunner().invoke(main, ["export", str(gguf), "-o", str(tmp_path / "new"),
-                                       "--precision", "fp32", "--draft", str(gguf),
+                                       "--precision", "fp32", "--draft", str(draft),
                                        "--draft-precision", "int4", "--target-from",
                                        str(reference_pair_dir)])
     assert result.exit_code == 0, result.output
@@ -170,3 +173,40 @@ def test_a_gguf_target_beside_a_new_draft_is_not_dequantized_again(
         plain, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=24,
                                                               drafter="none"))
         assert spec == plain and st.accepted > 0
+
+
+def test_the_targets_own_gguf_as_draft_is_a_self_draft_converted_once(
+        reference_pair_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--draft` naming the target's file again (another spelling of its path) is the
+    self-draft: the GGUF is dequantized once, for both models, and the draft reads the
+    target's prompt as a self-draft does."""
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter import sources
+    from specedge.runtime.manifest import load_manifest
+    from specedge.runtime.pair import Pair
+
+    ref = load_manifest(reference_pair_dir)
+    gguf = Path(str(ref.target.source.get("origin")))
+    if ref.target.source.get("kind") != "gguf" or not gguf.is_file():
+        pytest.skip(f"the reference pair's GGUF {gguf} is not here")
+    calls: list[tuple[str, bool]] = []
+    real = sources.gguf_to_folder
+
+    def recorded(path: Path, out: Path, *, weights: bool = True) -> Path:
+        calls.append((out.name, weights))
+        return real(path, out, weights=weights)
+
+    monkeypatch.setattr(sources, "gguf_to_folder", recorded)
+    monkeypatch.chdir(gguf.parent)
+    built = _count_exports(monkeypatch)
+    result = CliRunner().invoke(main, ["export", str(gguf), "-o", str(tmp_path / "new"),
+                                       "--precision", "fp32", "--draft", f"./{gguf.name}",
+                                       "--draft-precision", "int4", "--target-from",
+                                       str(reference_pair_dir)])
+    assert result.exit_code == 0, result.output
+    assert calls == [("target-gguf", True)] and built == ["draft"]
+    new = load_manifest(tmp_path / "new")
+    assert new.draft is not None and new.draft.validation["passed"]
+    assert Pair.load(tmp_path / "new").shares_prompt_kv
