@@ -32,6 +32,32 @@ def _count_exports(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return built
 
 
+def _reference_gguf(reference_pair_dir: Path) -> Path:
+    """The GGUF the reference pair was exported from (skips where it is not here)."""
+    from specedge.runtime.manifest import load_manifest
+
+    source = load_manifest(reference_pair_dir).target.source
+    gguf = Path(str(source.get("origin")))
+    if source.get("kind") != "gguf" or not gguf.is_file():
+        pytest.skip(f"the reference pair's GGUF {gguf} is not here")
+    return gguf
+
+
+def _count_conversions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """(scratch folder, with weights) of each GGUF conversion from here on."""
+    from specedge.exporter import sources
+
+    calls: list[tuple[str, bool]] = []
+    real = sources.gguf_to_folder
+
+    def recorded(path: Path, out: Path, *, weights: bool = True) -> Path:
+        calls.append((out.name, weights))
+        return real(path, out, weights=weights)
+
+    monkeypatch.setattr(sources, "gguf_to_folder", recorded)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny target and the pair exported from it (fp32 target, int8-rtn self-draft)."""
@@ -136,22 +162,12 @@ def test_a_gguf_target_beside_a_new_draft_is_not_dequantized_again(
     from click.testing import CliRunner
 
     from specedge.cli import main
-    from specedge.exporter import sources
     from specedge.runtime.manifest import load_manifest
     from specedge.runtime.pair import GenerationConfig, Pair
 
     ref = load_manifest(reference_pair_dir)
-    gguf = Path(str(ref.target.source.get("origin")))
-    if ref.target.source.get("kind") != "gguf" or not gguf.is_file():
-        pytest.skip(f"the reference pair's GGUF {gguf} is not here")
-    calls: list[tuple[str, bool]] = []
-    real = sources.gguf_to_folder
-
-    def recorded(path: Path, out: Path, *, weights: bool = True) -> Path:
-        calls.append((out.name, weights))
-        return real(path, out, weights=weights)
-
-    monkeypatch.setattr(sources, "gguf_to_folder", recorded)
+    gguf = _reference_gguf(reference_pair_dir)
+    calls = _count_conversions(monkeypatch)
     draft = tmp_path / "draft.gguf"  # another file: a separate draft (the same is a self-draft)
     shutil.copyfile(gguf, draft)
     result = CliRunner().invoke(main, ["export", str(gguf), "-o", str(tmp_path / "new"),
@@ -183,22 +199,11 @@ def test_the_targets_own_gguf_as_draft_is_a_self_draft_converted_once(
     from click.testing import CliRunner
 
     from specedge.cli import main
-    from specedge.exporter import sources
     from specedge.runtime.manifest import load_manifest
     from specedge.runtime.pair import Pair
 
-    ref = load_manifest(reference_pair_dir)
-    gguf = Path(str(ref.target.source.get("origin")))
-    if ref.target.source.get("kind") != "gguf" or not gguf.is_file():
-        pytest.skip(f"the reference pair's GGUF {gguf} is not here")
-    calls: list[tuple[str, bool]] = []
-    real = sources.gguf_to_folder
-
-    def recorded(path: Path, out: Path, *, weights: bool = True) -> Path:
-        calls.append((out.name, weights))
-        return real(path, out, weights=weights)
-
-    monkeypatch.setattr(sources, "gguf_to_folder", recorded)
+    gguf = _reference_gguf(reference_pair_dir)
+    calls = _count_conversions(monkeypatch)
     monkeypatch.chdir(gguf.parent)
     built = _count_exports(monkeypatch)
     result = CliRunner().invoke(main, ["export", str(gguf), "-o", str(tmp_path / "new"),
