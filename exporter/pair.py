@@ -172,6 +172,13 @@ def _builder_writes(precision: str, opts: ExportOptions) -> bool:
         opts.provider == "cuda" or any(k.startswith("int4") for k in opts.builder_options))
 
 
+def _quantized_self_draft(draft_precision: str | None, opts: ExportOptions) -> bool:
+    """Whether a self-draft at `draft_precision` is a quantization of an fp32 target's graph
+    (in the target's own graph form) rather than a build of its own."""
+    return draft_precision in quantize.EXPORT_METHODS and not _builder_writes(
+        draft_precision, opts) and (opts.draft_graph or opts.graph) == opts.graph
+
+
 @dataclass(frozen=True)
 class _Built:
     """One exported model: its manifest entry and, for an fp32 one, its graph in the pair
@@ -303,19 +310,24 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
                  say: Callable[[str], None]) -> PairManifest:
     """Export the pair of `opts` into the staging folder `tmp` (`work`: scratch space) and
     write its manifest; returns it (its root `out`, where the pair goes next)."""
-    say("resolving the target")
     draft_precision = opts.draft_precision or ("fp32" if opts.draft is not None else None)
     # A self-draft: no --draft, or the target's own file again (converted once, not twice).
     self_draft = draft_precision is not None and (
         opts.draft is None or sources.same_argument(opts.draft, opts.target))
-    # A target copied from a pair needs its weights only to be quantized into a self-draft.
-    target_src = sources.resolve(opts.target, work, "target",
-                                 weights=opts.target_from is None or self_draft)
     reused: ModelSpec | None = None
-    if opts.target_from is not None:  # a mismatch fails before the draft is read
+    fp32_target: onnx_export.GraphInfo | None = None
+    if opts.target_from is not None:  # a mismatch fails before anything is read or built
         say(f"copying the target from {opts.target_from}")
-        reused = target_reuse.reused_target(opts.target_from, target_src, opts.precision,
+        reused = target_reuse.reused_target(opts.target_from, opts.target, opts.precision,
                                             opts.provider, opts.graph, tmp)
+        fp32_target = target_reuse.fp32_graph(reused, tmp)
+    # A self-draft of an fp32 target is quantized from the target's files.
+    quantized_from = fp32_target if self_draft and _quantized_self_draft(
+        draft_precision, opts) else None
+    say("resolving the target")
+    # A copied target needs its weights only for a self-draft not quantized from its files.
+    target_src = sources.resolve(opts.target, work, "target", weights=reused is None or (
+        self_draft and quantized_from is None))
     draft_src: sources.Source | None = None
     if self_draft:
         draft_src = target_src  # the same model at another precision
@@ -330,25 +342,25 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         sources.check_folder(draft_src.folder, "draft", own_template=False)
         if bridged:  # refused before anything is built when it shares too little
             vocab_bridge.for_folders(target_src.folder, draft_src.folder)
-    fp32_target: onnx_export.GraphInfo | None = None
     if reused is not None:
         target = reused
     else:
         say(f"exporting the target ({opts.precision})")
         built = _export_model(target_src, opts.precision, "target", opts, tmp, work)
-        target, fp32_target = built.spec, built.graph
+        target = built.spec
+        if self_draft and built.spec.precision == "fp32" and _quantized_self_draft(
+                draft_precision, opts):
+            quantized_from = built.graph
     draft, bridge = None, None
     if draft_src is not None and draft_precision is not None:
         say(f"exporting the draft ({draft_precision})")
-        # A self-draft of an fp32 target is quantized from the target's files.
         draft_opts = dataclasses.replace(opts, graph=opts.draft_graph or opts.graph)
-        reuse = fp32_target if (
-            draft_src is target_src and target.precision == "fp32"
-            and draft_opts.graph == opts.graph
-            and draft_precision in quantize.EXPORT_METHODS
-            and not _builder_writes(draft_precision, opts)) else None
         draft = _export_model(draft_src, draft_precision, "draft", draft_opts, tmp, work,
-                              fp32=reuse, say=say).spec
+                              fp32=quantized_from, say=say).spec
+        if reused is not None and self_draft:  # the copied target's record of their source
+            draft = dataclasses.replace(draft, source={
+                **draft.source, **{k: reused.source[k] for k in ("kind", "origin")
+                                   if k in reused.source}})
         tokenizer_ids = 1 + max(folder_files.tokenizer_vocab(target_src.folder).values())
         if bridged:
             bridge = vocab_bridge.for_folders(target_src.folder, draft_src.folder,
@@ -368,7 +380,7 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         say("validating against torch")
         target, draft = validate.validate_pair(
             tmp, target, draft, target_src.folder, draft_src.folder if draft_src else None,
-            opts.provider, bridge, validate_target=opts.target_from is None)
+            opts.provider, bridge, validate_target=reused is None)
     defaults = Defaults(drafter=opts.drafter or ("model" if draft else "ngram"),
                         num_draft_tokens=opts.num_draft_tokens)
     if opts.adaptive is not None:

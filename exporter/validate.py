@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
 FP16_RELATIVE = 1e-2  # fp16: max |Δ| may reach 1% of the largest |logit| (about 10 fp16 steps)
 PREFILL, STEP = 12, 5
+TORCH_REFERENCE = "torch fp32 (transformers, eager attention)"
+# A self-draft beside a target copied from a pair (`target_reuse`) is compared with that target.
+COPIED_REFERENCE = "the pair's fp32 target (ONNX Runtime, CPU; itself validated against torch)"
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -90,7 +93,8 @@ def validation_provider(requested: str) -> tuple[str, str | None]:
 
 
 def validate_model(root: Path, spec: ModelSpec, name: str, reference: np.ndarray,
-                   ids: np.ndarray, provider: str = "cpu") -> dict[str, Any]:
+                   ids: np.ndarray, provider: str = "cpu",
+                   reference_name: str = TORCH_REFERENCE) -> dict[str, Any]:
     """Run the exported model through the runtime backend and compare with torch's logits.
 
     Args:
@@ -101,6 +105,7 @@ def validate_model(root: Path, spec: ModelSpec, name: str, reference: np.ndarray
         ids: the token ids `[1, PREFILL + STEP]` they were computed on.
         provider: the provider the export is for ("cpu" or "cuda"); validated on it when it
             can run here, else on the CPU (`validation_provider`; the result says which).
+        reference_name: what `reference` came from, for the record.
 
     Raises:
         ExportError: an fp32/fp16 export is past its tolerance.
@@ -113,9 +118,7 @@ def validate_model(root: Path, spec: ModelSpec, name: str, reference: np.ndarray
             raise
         used, why = "cpu", f"ONNX Runtime could not start it here ({exc})"
         model = OrtModel(root, spec, name, SessionConfig(provider=used))
-    cache = model.new_cache(1, 64)
-    prefill = model.forward(cache, ids[:, :PREFILL])[0]
-    step = model.forward(cache, ids[:, PREFILL:])[0]
+    prefill, step = _prefill_and_step(model, ids)
     # Batch 2: the same rows twice must give the same logits as batch 1.
     cache2 = model.new_cache(2, 64)
     both = model.forward(cache2, np.repeat(ids, 2, axis=0))
@@ -125,7 +128,7 @@ def validate_model(root: Path, spec: ModelSpec, name: str, reference: np.ndarray
         "batch2_max_abs_diff": float(np.abs(both[1] - both[0]).max()),
         "prefill_tokens": PREFILL,
         "step_tokens": STEP,
-        "reference": "torch fp32 (transformers, eager attention)",
+        "reference": reference_name,
         "provider": model.session.get_providers()[0],
         "requested_provider": provider,
     }
@@ -144,6 +147,19 @@ def validate_model(root: Path, spec: ModelSpec, name: str, reference: np.ndarray
     return result
 
 
+def _prefill_and_step(model: OrtModel, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The logits of a prefill of `ids[:, :PREFILL]`, then of a step of the rest with that
+    past: `[PREFILL, vocab]`, `[STEP, vocab]`."""
+    cache = model.new_cache(1, 64)
+    return model.forward(cache, ids[:, :PREFILL])[0], model.forward(cache, ids[:, PREFILL:])[0]
+
+
+def onnx_logits(root: Path, spec: ModelSpec, name: str, ids: np.ndarray) -> np.ndarray:
+    """An exported model's logits on `ids` `[1, n]` → `[n, vocab]`, as `validate_model` runs it
+    (on the CPU)."""
+    return np.concatenate(_prefill_and_step(OrtModel(root, spec, name, SessionConfig()), ids))
+
+
 def validation_ids(vocab_size: int, text_ids: list[int] | None, seed: int = 0) -> np.ndarray:
     """Token ids `[1, PREFILL + STEP]`: real text when available, padded with seeded ids."""
     rng = np.random.default_rng(seed)
@@ -158,7 +174,8 @@ def validate_pair(tmp: Path, target: ModelSpec, draft: ModelSpec | None, target_
     """Compare both models of the pair staged in `tmp` with torch (their HF folders) on the
     export's provider (on CPU when it cannot run here, which the result says); returns their
     specs with the results. A bridged draft (`bridge`) is compared on the ids it is fed and the
-    columns it keeps; a reused target (`validate_target` False) keeps its record."""
+    columns it keeps; a reused target (`validate_target` False) keeps its record, and a
+    self-draft beside a copied fp32 target is compared with it (`COPIED_REFERENCE`)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(target_folder / "tokenizer.json"))
@@ -168,15 +185,21 @@ def validate_pair(tmp: Path, target: ModelSpec, draft: ModelSpec | None, target_
                              for spec in (target, draft) if spec is not None
                              and spec.input_id_map is None), text)
     self_draft = draft_folder == target_folder
-    ref = torch_logits(target_folder, ids) if validate_target or self_draft else None
+    ref, ref_name = None, TORCH_REFERENCE
+    if validate_target or (self_draft and target.precision != "fp32"):
+        ref = torch_logits(target_folder, ids)
+    elif self_draft and draft is not None:  # a copied fp32 target: its weights may be absent
+        ref, ref_name = onnx_logits(tmp, target, "target", ids), COPIED_REFERENCE
     if ref is not None and validate_target:
         target = dataclasses.replace(target, validation=validate_model(
             tmp, target, "target", ref, ids, provider=provider))
     if draft is not None and draft_folder is not None:
         if bridge is not None:
             dref = torch_logits(draft_folder, bridge.input_map[ids])[:, bridge.columns]
+        elif self_draft and ref is not None:
+            dref = ref
         else:
-            dref = ref if self_draft and ref is not None else torch_logits(draft_folder, ids)
+            dref = torch_logits(draft_folder, ids)
         draft = dataclasses.replace(draft, validation=validate_model(
-            tmp, draft, "draft", dref, ids, provider=provider))
+            tmp, draft, "draft", dref, ids, provider=provider, reference_name=ref_name))
     return target, draft

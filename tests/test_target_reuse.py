@@ -7,9 +7,12 @@ from __future__ import annotations
 import importlib.util
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from specedge.runtime.pair import Pair
 
 pytestmark = [
     pytest.mark.export,
@@ -78,7 +81,7 @@ def test_a_new_draft_beside_a_copied_target_decodes_exactly(
     from specedge.cli import main
     from specedge.exporter.tiny import make_tiny_model
     from specedge.runtime.manifest import load_manifest
-    from specedge.runtime.pair import GenerationConfig, Pair
+    from specedge.runtime.pair import Pair
 
     target, pair = base
     small = make_tiny_model("llama", tmp_path / "small", seed=4, num_layers=1)
@@ -96,12 +99,24 @@ def test_a_new_draft_beside_a_copied_target_decodes_exactly(
     assert new.draft.source["origin"] == str(small)
     assert new.provenance["target_from"] == str(pair.absolute())
     decoded = Pair.load(tmp_path / "new")
-    for prompt in ("The quick brown", "def add(a, b):"):
-        ids = decoded.encode_prompt(prompt)
-        spec, _, st = decoded.generate_ids(ids, GenerationConfig(max_new_tokens=16))
-        plain, _, _ = decoded.generate_ids(ids, GenerationConfig(max_new_tokens=16,
+    _assert_greedy_exact(decoded)
+
+
+def _assert_greedy_exact(decoded: Pair, prompts: tuple[str, ...] = (
+        "The quick brown", "def add(a, b):"), chat: bool = False, tokens: int = 16) -> int:
+    """Greedy speculative decoding on `decoded` equals its target-only decoding, with drafts
+    proposed; returns how many were accepted."""
+    from specedge.runtime.pair import GenerationConfig
+
+    accepted = 0
+    for prompt in prompts:
+        ids = decoded.encode_prompt(prompt, chat=chat)
+        spec, _, st = decoded.generate_ids(ids, GenerationConfig(max_new_tokens=tokens))
+        plain, _, _ = decoded.generate_ids(ids, GenerationConfig(max_new_tokens=tokens,
                                                                  drafter="none"))
         assert spec == plain and st.proposed > 0
+        accepted += st.accepted
+    return accepted
 
 
 @pytest.mark.parametrize(("args", "why"), [
@@ -163,7 +178,7 @@ def test_a_gguf_target_beside_a_new_draft_is_not_dequantized_again(
 
     from specedge.cli import main
     from specedge.runtime.manifest import load_manifest
-    from specedge.runtime.pair import GenerationConfig, Pair
+    from specedge.runtime.pair import Pair
 
     ref = load_manifest(reference_pair_dir)
     gguf = _reference_gguf(reference_pair_dir)
@@ -183,22 +198,19 @@ def test_a_gguf_target_beside_a_new_draft_is_not_dequantized_again(
         ref.bos_token_id, ref.eos_token_ids, ref.pad_token_id)
     assert new.draft is not None and new.draft.validation["passed"]
     pair = Pair.load(tmp_path / "new")
-    for prompt in ("What is the capital of France?", "Write a haiku about the sea."):
-        ids = pair.encode_prompt(prompt, chat=True)
-        spec, _, st = pair.generate_ids(ids, GenerationConfig(max_new_tokens=24))
-        plain, _, _ = pair.generate_ids(ids, GenerationConfig(max_new_tokens=24,
-                                                              drafter="none"))
-        assert spec == plain and st.accepted > 0
+    chats = ("What is the capital of France?", "Write a haiku about the sea.")
+    assert _assert_greedy_exact(pair, chats, chat=True, tokens=24) > 0
 
 
-def test_the_targets_own_gguf_as_draft_is_a_self_draft_converted_once(
+def test_the_targets_own_gguf_as_draft_is_its_self_draft_quantized_from_the_copy(
         reference_pair_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--draft` naming the target's file again (another spelling of its path) is the
-    self-draft: the GGUF is dequantized once, for both models, and the draft reads the
-    target's prompt as a self-draft does."""
+    self-draft; beside the reference pair's copied fp32 target it is quantized from the copy,
+    so the GGUF is not dequantized at all, and it is the reference pair's own int4 draft."""
     from click.testing import CliRunner
 
     from specedge.cli import main
+    from specedge.exporter import validate
     from specedge.runtime.manifest import load_manifest
     from specedge.runtime.pair import Pair
 
@@ -211,7 +223,41 @@ def test_the_targets_own_gguf_as_draft_is_a_self_draft_converted_once(
                                        "--draft-precision", "int4", "--target-from",
                                        str(reference_pair_dir)])
     assert result.exit_code == 0, result.output
-    assert calls == [("target-gguf", True)] and built == ["draft"]
-    new = load_manifest(tmp_path / "new")
-    assert new.draft is not None and new.draft.validation["passed"]
+    assert calls == [("target-gguf", False)] and built == ["draft"]
+    ref, new = load_manifest(reference_pair_dir), load_manifest(tmp_path / "new")
+    assert ref.draft is not None and new.draft is not None
+    assert new.draft.validation["passed"]
+    assert new.draft.validation["reference"] == validate.COPIED_REFERENCE
+    assert new.draft.validation["step_with_past"]["top1_agreement"] >= 0.6
+    assert new.draft.files == ref.draft.files  # the reference pair's own int4 self-draft
     assert Pair.load(tmp_path / "new").shares_prompt_kv
+
+
+def test_a_self_draft_beside_a_copied_target_reads_no_torch_weights(
+        base: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new self-draft precision for a pair: quantized from its copied fp32 target and
+    compared with it, no torch model loaded; it decodes exactly."""
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter import validate
+    from specedge.runtime.manifest import load_manifest
+    from specedge.runtime.pair import Pair
+
+    def no_torch(*_args: object, **_kw: object) -> None:
+        raise AssertionError("a torch model was loaded")
+
+    monkeypatch.setattr(validate, "torch_logits", no_torch)
+    target, pair = base
+    built = _count_exports(monkeypatch)
+    result = CliRunner().invoke(main, ["export", str(target), "-o", str(tmp_path / "new"),
+                                       "--precision", "fp32", "--draft-precision", "int4",
+                                       "--target-from", str(pair)])
+    assert result.exit_code == 0, result.output
+    assert built == ["draft"]
+    new = load_manifest(tmp_path / "new")
+    assert new.draft is not None and new.draft.precision == "int4"
+    assert new.draft.validation["reference"] == validate.COPIED_REFERENCE
+    decoded = Pair.load(tmp_path / "new")
+    assert decoded.shares_prompt_kv
+    _assert_greedy_exact(decoded)
