@@ -358,9 +358,10 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         draft = _export_model(draft_src, draft_precision, "draft", draft_opts, tmp, work,
                               fp32=quantized_from, say=say).spec
         if reused is not None and self_draft:  # the copied target's record of their source
+            where = ("kind", "origin", "path")
             draft = dataclasses.replace(draft, source={
-                **draft.source, **{k: reused.source[k] for k in ("kind", "origin")
-                                   if k in reused.source}})
+                **{k: v for k, v in draft.source.items() if k not in where},
+                **{k: reused.source[k] for k in where if k in reused.source}})
         tokenizer_ids = 1 + max(folder_files.tokenizer_vocab(target_src.folder).values())
         if bridged:
             bridge = vocab_bridge.for_folders(target_src.folder, draft_src.folder,

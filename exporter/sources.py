@@ -51,7 +51,11 @@ class Source:
     origin: str  # what the user passed
 
     def provenance(self) -> dict[str, Any]:
-        return {"kind": self.kind, "origin": self.origin}
+        """The manifest's record of it: a local file or folder also by its absolute path."""
+        record: dict[str, Any] = {"kind": self.kind, "origin": self.origin}
+        if self.kind != "hub":
+            record["path"] = str(Path(self.origin).expanduser().absolute())
+        return record
 
 
 def source_kind(spec: str, name: str) -> str:

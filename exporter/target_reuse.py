@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from specedge.runtime.errors import ExportError
+from specedge.runtime.errors import ExportError, ManifestError
 from specedge.runtime.manifest import ModelSpec, load_manifest
 
 from . import onnx_export, quantize, sources
@@ -33,20 +33,25 @@ def reused_target(pair: Path, target: str, precision: str, provider: str,
         graph: the graph form it asks for (None: any).
 
     Raises:
-        ManifestError: `pair` is not a pair, or its files differ from their hashes.
+        ManifestError: `pair` is not a pair, or its files differ from their hashes (the
+            message names --target-from).
         ExportError: its target is another model, precision, provider or graph form.
     """
     kind = sources.source_kind(target, "target")
-    manifest = load_manifest(pair)
+    try:
+        manifest = load_manifest(pair)
+    except ManifestError as exc:
+        raise ManifestError(f"--target-from {exc}") from exc
     spec = manifest.target
     # the export precision that wrote it (int8-rtn is an int8 model quantized by int8-rtn)
     method = (spec.source.get("quantization") or {}).get("method")
     written = next((p for p, m in quantize.EXPORT_METHODS.items() if m == method),
                    spec.precision)
-    origin = f"{spec.source.get('kind')} {spec.source.get('origin')}"
-    checks = [("source", f"{kind} {target}", origin,
-               spec.source.get("kind") == kind
-               and sources.same_argument(str(spec.source.get("origin")), target)),
+    # a local source's absolute path (`Source.provenance`): the origin as written may be
+    # relative to the folder that pair was exported from
+    recorded = str(spec.source.get("path", spec.source.get("origin")))
+    checks = [("source", f"{kind} {target}", f"{spec.source.get('kind')} {recorded}",
+               spec.source.get("kind") == kind and sources.same_argument(recorded, target)),
               ("precision", precision, written, written == precision),
               ("provider", provider, manifest.provenance.get("provider"),
                manifest.provenance.get("provider") == provider)]

@@ -261,3 +261,46 @@ def test_a_self_draft_beside_a_copied_target_reads_no_torch_weights(
     decoded = Pair.load(tmp_path / "new")
     assert decoded.shares_prompt_kv
     _assert_greedy_exact(decoded)
+
+
+def test_a_pair_exported_from_another_folder_is_matched_by_its_targets_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target written relative to another working folder is the same target: the manifest
+    records its absolute path, which the check compares."""
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter.pair import ExportOptions, export_pair
+    from specedge.exporter.tiny import make_tiny_model
+    from specedge.runtime.manifest import load_manifest
+    from specedge.runtime.pair import Pair
+
+    make_tiny_model("llama", tmp_path / "models" / "t", seed=3)
+    monkeypatch.chdir(tmp_path)
+    export_pair(ExportOptions(target="models/t", output=Path("pair"), precision="fp32"))
+    assert load_manifest(tmp_path / "pair").target.source["path"] == str(tmp_path / "models/t")
+    monkeypatch.chdir(tmp_path / "models")
+    built = _count_exports(monkeypatch)
+    result = CliRunner().invoke(main, ["export", "t", "-o", "../new", "--precision", "fp32",
+                                       "--draft-precision", "int8-rtn", "--target-from",
+                                       "../pair"])
+    assert result.exit_code == 0, result.output
+    assert built == ["draft"]
+    decoded = Pair.load(tmp_path / "new")
+    assert decoded.shares_prompt_kv  # the self-draft's source is the target's
+    _assert_greedy_exact(decoded)
+
+
+def test_a_missing_pair_is_named_as_the_target_from_option(
+        base: tuple[Path, Path], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+
+    target, _ = base
+    result = CliRunner().invoke(main, ["export", str(target), "-o", str(tmp_path / "new"),
+                                       "--precision", "fp32", "--target-from",
+                                       str(tmp_path / "nope")])
+    assert result.exit_code != 0
+    assert f"--target-from {tmp_path / 'nope'}: no such pair folder" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "new").exists()
