@@ -304,3 +304,48 @@ def test_a_missing_pair_is_named_as_the_target_from_option(
     assert result.exit_code != 0
     assert f"--target-from {tmp_path / 'nope'}: no such pair folder" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "new").exists()
+
+
+def test_a_hub_target_beside_its_pair_downloads_no_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub id (the hub played by a local folder, no network here): the first export downloads
+    the weights; a self-draft beside its copied target downloads everything but them."""
+    import fnmatch
+
+    import huggingface_hub
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.exporter.tiny import make_tiny_model
+    from specedge.runtime.manifest import load_manifest
+    from specedge.runtime.pair import Pair
+
+    repo = make_tiny_model("llama", tmp_path / "hub-repo", seed=3)
+    fetched: list[list[str]] = []
+
+    def snapshot_download(repo_id: str, *, local_dir: str, allow_patterns: list[str],
+                          ignore_patterns: list[str] | None) -> str:
+        assert repo_id == "org/tiny"
+        names = [p.name for p in repo.iterdir()
+                 if any(fnmatch.fnmatch(p.name, a) for a in allow_patterns)
+                 and not any(fnmatch.fnmatch(p.name, i) for i in ignore_patterns or [])]
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copy2(repo / name, Path(local_dir) / name)
+        fetched.append(sorted(names))
+        return local_dir
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    runner = CliRunner()
+    first = runner.invoke(main, ["export", "org/tiny", "-o", str(tmp_path / "pair"),
+                                 "--precision", "fp32"])
+    assert first.exit_code == 0, first.output
+    assert any(n.endswith(".safetensors") for n in fetched[0])
+    assert load_manifest(tmp_path / "pair").target.source["kind"] == "hub"
+    result = runner.invoke(main, ["export", "org/tiny", "-o", str(tmp_path / "new"),
+                                  "--precision", "fp32", "--draft-precision", "int8-rtn",
+                                  "--target-from", str(tmp_path / "pair")])
+    assert result.exit_code == 0, result.output
+    assert len(fetched) == 2 and fetched[1]  # config and tokenizer, no weights
+    assert not any(n.endswith(".safetensors") for n in fetched[1])
+    _assert_greedy_exact(Pair.load(tmp_path / "new"))
