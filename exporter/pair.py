@@ -255,7 +255,8 @@ def _export_model(src: sources.Source, precision: str, name: str, opts: ExportOp
     moved = onnx_export.move_model(info.onnx_path, tmp / name)
     files = {str(p.relative_to(tmp)): sha256_file(p) for p in moved}
     source = {**src.provenance(), "model_type": config_dict.get("model_type"),
-              "architecture": (config_dict.get("architectures") or [None])[0]}
+              "architecture": (config_dict.get("architectures") or [None])[0],
+              **target_reuse.source_configs(src.folder)}
     if quant is not None:
         source["quantization"] = quant
     spec = ModelSpec(
@@ -324,10 +325,19 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
     # A self-draft of an fp32 target is quantized from the target's files.
     quantized_from = fp32_target if self_draft and _quantized_self_draft(
         draft_precision, opts) else None
-    say("resolving the target")
-    # A copied target needs its weights only for a self-draft not quantized from its files.
-    target_src = sources.resolve(opts.target, work, "target", weights=reused is None or (
-        self_draft and quantized_from is None))
+    # A copied target needs its weights only for a self-draft not quantized from its files;
+    # without them its config and tokenizer come from the pair when it records them.
+    target_src = None
+    if reused is not None and opts.target_from is not None and not (
+            self_draft and quantized_from is None):
+        target_src = target_reuse.source_from_pair(opts.target_from, reused, opts.target,
+                                                   opts.chat_template, work / "target-pair")
+        if target_src is not None:
+            say(f"reading the target's config and tokenizer from {opts.target_from}")
+    if target_src is None:
+        say("resolving the target")
+        target_src = sources.resolve(opts.target, work, "target", weights=reused is None or (
+            self_draft and quantized_from is None))
     draft_src: sources.Source | None = None
     if self_draft:
         draft_src = target_src  # the same model at another precision
@@ -358,10 +368,10 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
         draft = _export_model(draft_src, draft_precision, "draft", draft_opts, tmp, work,
                               fp32=quantized_from, say=say).spec
         if reused is not None and self_draft:  # the copied target's record of their source
-            where = ("kind", "origin", "path")
+            own = {"quantization": draft.source["quantization"]} \
+                if "quantization" in draft.source else {}
             draft = dataclasses.replace(draft, source={
-                **{k: v for k, v in draft.source.items() if k not in where},
-                **{k: reused.source[k] for k in where if k in reused.source}})
+                **{k: v for k, v in reused.source.items() if k != "quantization"}, **own})
         tokenizer_ids = 1 + max(folder_files.tokenizer_vocab(target_src.folder).values())
         if bridged:
             bridge = vocab_bridge.for_folders(target_src.folder, draft_src.folder,
@@ -378,7 +388,8 @@ def _export_into(opts: ExportOptions, out: Path, tmp: Path, work: Path,
     bos, eos, pad = sources.special_tokens(target_src.folder,
                                            folder_files.read_config(target_src.folder))
     if opts.validate:
-        say("validating against torch")
+        say("validating the draft against the copied target" if reused is not None and
+            quantized_from is not None else "validating against torch")
         target, draft = validate.validate_pair(
             tmp, target, draft, target_src.folder, draft_src.folder if draft_src else None,
             opts.provider, bridge, validate_target=reused is None)

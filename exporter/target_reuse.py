@@ -8,17 +8,25 @@ its manifest entry, validation included, is kept as it was. The pair must hold t
 export names: the same source, precision, provider and graph form. A self-draft beside a copied
 fp32 target (`specedge export G --draft-precision int8-rtn --target-from PAIR`) is quantized from
 the copied files and validated against them (`fp32_graph`), so its source's weights are not read.
+Each model's manifest entry records the config files of the folder it was exported from
+(`source_configs`); with them and the pair's tokenizer files the target's source is not read at all
+(`source_from_pair`: no GGUF metadata parsed, no hub request), else only its config and tokenizer.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from specedge.runtime.errors import ExportError, ManifestError
-from specedge.runtime.manifest import ModelSpec, load_manifest
+from specedge.runtime.files import json_dumps
+from specedge.runtime.manifest import ModelSpec, load_manifest, read_manifest
 
-from . import onnx_export, quantize, sources
+from . import folder_files, onnx_export, quantize, sources
+
+# The source folder's files a model's manifest entry records (`source_configs`), by key.
+CONFIG_FILES = {"config": "config.json", "generation_config": "generation_config.json"}
 
 
 def reused_target(pair: Path, target: str, precision: str, provider: str,
@@ -79,3 +87,31 @@ def fp32_graph(spec: ModelSpec, tmp: Path) -> onnx_export.GraphInfo | None:
         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, max_seq_len=spec.max_seq_len,
         vocab_size=spec.vocab_size, kv_dtype=spec.kv.dtype, position_ids=spec.position_ids,
         genai_config=None, min_cache_len=spec.min_cache_len)
+
+
+def source_configs(folder: Path) -> dict[str, Any]:
+    """The config files of the HF `folder` a model is exported from, for its manifest entry's
+    source record (config.json always; generation_config.json when the folder has one)."""
+    return {key: folder_files.read_json_file(folder / name) for key, name in CONFIG_FILES.items()
+            if (folder / name).is_file()}
+
+
+def source_from_pair(pair: Path, spec: ModelSpec, target: str, chat_template: Path | None,
+                     out: Path) -> sources.Source | None:
+    """The target's source as an export without its weights reads it (config, generation
+    config, tokenizer, chat template), written into `out` from the pair `pair` whose target
+    `spec` was copied; None when the pair cannot stand in for it: exported before its entry
+    recorded the configs, or with a chat template from a file (the pair's tokenizer config
+    then holds that template, not the source's) and no --chat-template now."""
+    manifest = read_manifest(pair)  # its hashes: `reused_target` checked them
+    template = manifest.provenance.get("chat_template") or {}
+    if "config" not in spec.source or (template.get("source") == "file" and
+                                       chat_template is None):
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    for key, name in CONFIG_FILES.items():
+        if isinstance(spec.source.get(key), dict):
+            (out / name).write_text(json_dumps(spec.source[key]), encoding="utf-8")
+    for rel in manifest.tokenizer_files:
+        shutil.copy2(manifest.root / rel, out / rel)
+    return sources.Source(out, str(spec.source.get("kind")), target)

@@ -173,7 +173,8 @@ def test_the_output_cannot_be_the_pair_it_copies(base: tuple[Path, Path]) -> Non
 def test_a_gguf_target_beside_a_new_draft_is_not_dequantized_again(
         reference_pair_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference pair's target beside a new int4 draft (the same GGUF): only the draft is
-    dequantized; the target's GGUF gives its config and tokenizer, which match the pair's."""
+    dequantized; the target's GGUF is not read at all (its config and tokenizer come from the
+    pair, which recorded them), and the new pair's tokenizer and special ids are the pair's."""
     from click.testing import CliRunner
 
     from specedge.cli import main
@@ -190,7 +191,7 @@ def test_a_gguf_target_beside_a_new_draft_is_not_dequantized_again(
                                        "--draft-precision", "int4", "--target-from",
                                        str(reference_pair_dir)])
     assert result.exit_code == 0, result.output
-    assert calls == [("target-gguf", False), ("draft-gguf", True)]
+    assert calls == [("draft-gguf", True)]
     new = load_manifest(tmp_path / "new")
     assert new.target.files == ref.target.files
     assert new.tokenizer_files == ref.tokenizer_files
@@ -206,7 +207,7 @@ def test_the_targets_own_gguf_as_draft_is_its_self_draft_quantized_from_the_copy
         reference_pair_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--draft` naming the target's file again (another spelling of its path) is the
     self-draft; beside the reference pair's copied fp32 target it is quantized from the copy,
-    so the GGUF is not dequantized at all, and it is the reference pair's own int4 draft."""
+    so the GGUF is not read at all, and it is the reference pair's own int4 draft."""
     from click.testing import CliRunner
 
     from specedge.cli import main
@@ -223,7 +224,7 @@ def test_the_targets_own_gguf_as_draft_is_its_self_draft_quantized_from_the_copy
                                        "--draft-precision", "int4", "--target-from",
                                        str(reference_pair_dir)])
     assert result.exit_code == 0, result.output
-    assert calls == [("target-gguf", False)] and built == ["draft"]
+    assert calls == [] and built == ["draft"]
     ref, new = load_manifest(reference_pair_dir), load_manifest(tmp_path / "new")
     assert ref.draft is not None and new.draft is not None
     assert new.draft.validation["passed"]
@@ -309,7 +310,8 @@ def test_a_missing_pair_is_named_as_the_target_from_option(
 def test_a_hub_target_beside_its_pair_downloads_no_weights(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hub id (the hub played by a local folder, no network here): the first export downloads
-    the weights; a self-draft beside its copied target downloads everything but them."""
+    the weights; a self-draft beside its copied target downloads nothing (its config and
+    tokenizer come from the pair)."""
     import fnmatch
 
     import huggingface_hub
@@ -346,6 +348,120 @@ def test_a_hub_target_beside_its_pair_downloads_no_weights(
                                   "--precision", "fp32", "--draft-precision", "int8-rtn",
                                   "--target-from", str(tmp_path / "pair")])
     assert result.exit_code == 0, result.output
-    assert len(fetched) == 2 and fetched[1]  # config and tokenizer, no weights
-    assert not any(n.endswith(".safetensors") for n in fetched[1])
+    assert len(fetched) == 1  # no second request
     _assert_greedy_exact(Pair.load(tmp_path / "new"))
+
+
+def _count_resolves(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """(model name, with weights) of each source `export_pair` resolves from here on."""
+    from specedge.exporter import sources
+
+    calls: list[tuple[str, bool]] = []
+    real = sources.resolve
+
+    def recorded(spec: str, work: Path, name: str, *, weights: bool = True) -> Any:
+        calls.append((name, weights))
+        return real(spec, work, name, weights=weights)
+
+    monkeypatch.setattr(sources, "resolve", recorded)
+    return calls
+
+
+def _strip_source_configs(pair: Path) -> None:
+    """Make `pair` as an export before its entries recorded their source's config files."""
+    import json
+
+    manifest = json.loads((pair / "specedge.json").read_text())
+    for model in ("target", "draft"):
+        for key in ("config", "generation_config"):
+            manifest["models"][model]["source"].pop(key, None)
+    (pair / "specedge.json").write_text(json.dumps(manifest, indent=2))
+
+
+def test_a_pair_records_its_sources_configs_and_stands_in_for_the_source(
+        base: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pair's entries hold the config files their source folder had; a self-draft beside
+    the copied target then resolves no source, and decodes exactly."""
+    import json
+
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.runtime.manifest import load_manifest
+
+    target, pair = base
+    recorded = load_manifest(pair).target.source
+    assert recorded["config"] == json.loads((target / "config.json").read_text())
+    assert recorded["generation_config"] == json.loads(
+        (target / "generation_config.json").read_text())
+    resolved = _count_resolves(monkeypatch)
+    result = CliRunner().invoke(main, ["export", str(target), "-o", str(tmp_path / "new"),
+                                       "--precision", "fp32", "--draft-precision", "int4",
+                                       "--target-from", str(pair)])
+    assert result.exit_code == 0, result.output
+    assert resolved == []
+    old, new = load_manifest(pair), load_manifest(tmp_path / "new")
+    assert new.tokenizer_files == old.tokenizer_files
+    assert new.provenance["chat_template"] == old.provenance["chat_template"]
+    assert (new.bos_token_id, new.eos_token_ids, new.pad_token_id) == (
+        old.bos_token_id, old.eos_token_ids, old.pad_token_id)
+    assert new.draft is not None and new.draft.source == {
+        **{k: v for k, v in old.target.source.items() if k != "quantization"},
+        "quantization": new.draft.source["quantization"]}
+    from specedge.runtime.pair import Pair
+
+    decoded = Pair.load(tmp_path / "new")
+    assert decoded.shares_prompt_kv
+    _assert_greedy_exact(decoded)
+
+
+def test_a_pair_without_its_sources_configs_reads_the_source_without_weights(
+        base: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pair exported before its entries recorded their configs: the source is read (without
+    weights) as before, and the self-draft still shares the target's prompt KV."""
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.runtime.pair import Pair
+
+    target, pair = base
+    shutil.copytree(pair, tmp_path / "old")
+    _strip_source_configs(tmp_path / "old")
+    resolved = _count_resolves(monkeypatch)
+    result = CliRunner().invoke(main, ["export", str(target), "-o", str(tmp_path / "new"),
+                                       "--precision", "fp32", "--draft-precision", "int4",
+                                       "--target-from", str(tmp_path / "old")])
+    assert result.exit_code == 0, result.output
+    assert resolved == [("target", False)]
+    decoded = Pair.load(tmp_path / "new")
+    assert decoded.shares_prompt_kv
+    _assert_greedy_exact(decoded)
+
+
+def test_a_pair_with_a_template_from_a_file_does_not_stand_in_for_the_sources(
+        base: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pair's tokenizer files carry a --chat-template file's template, not the source's:
+    a later export without the option reads the source's own."""
+    from click.testing import CliRunner
+
+    from specedge.cli import main
+    from specedge.runtime.manifest import load_manifest
+
+    target, _ = base
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+                        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    runner = CliRunner()
+    first = runner.invoke(main, ["export", str(target), "-o", str(tmp_path / "pair"),
+                                 "--precision", "fp32", "--chat-template", str(template)])
+    assert first.exit_code == 0, first.output
+    resolved = _count_resolves(monkeypatch)
+    result = runner.invoke(main, ["export", str(target), "-o", str(tmp_path / "new"),
+                                  "--precision", "fp32", "--draft-precision", "int4",
+                                  "--target-from", str(tmp_path / "pair")])
+    assert result.exit_code == 0, result.output
+    assert resolved == [("target", False)]
+    new = load_manifest(tmp_path / "new")
+    assert new.provenance["chat_template"]["source"] == "hf-folder"
+    assert (tmp_path / "new" / "chat_template.jinja").read_text() == (
+        target / "chat_template.jinja").read_text()
