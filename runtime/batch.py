@@ -45,7 +45,7 @@ from .batch_join import RowRequest as RowRequest
 from .drafters import ngram_for, take_ngram
 from .errors import InputError
 from .policy import DecodePlan
-from .rounds import draft_budget, fed_prefix, needs_logits
+from .rounds import draft_budget, fed_prefix, needs_logits, tokens_left
 from .slot_prefix import SlotPrefixes
 
 
@@ -238,7 +238,9 @@ class BatchDecoder(RowJoins):
                 verify_s, max(lags) + 1, catch_up_s, catch_up_tokens=_catch_up_size(lags),
                 rows=len(fed), next_rows=len(self.live),
                 first_call=(calls[0].rows, calls[0].width, calls[0].seconds) if calls else None,
-                realized=(round_tokens, round_s))
+                realized=(round_tokens, round_s),
+                tokens_left=max((tokens_left(r.output, len(r.tokens), self.limit)
+                                 for r in self.live), default=0))
         elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
             self.tuner.record_verify(k_round + 1, verify_s, len(fed))
         return finished

@@ -354,11 +354,16 @@ def fed_prefix(fed: list[int], tokens: Sequence[int], stable: int = 0) -> int:
     return n
 
 
+def tokens_left(output: RowOutput, n_tokens: int, limit: int) -> int:
+    """The most tokens a row holding `n_tokens` (prompt + committed) may still generate: its
+    remaining budget within the context limit (eos or a stop string may end it sooner)."""
+    return max(0, min(output.max_new_tokens - len(output.tokens), limit - n_tokens))
+
+
 def round_k(k: int, output: RowOutput, n_tokens: int, limit: int) -> int:
     """The draft length a row can use this round: a round commits at most k + 1 tokens, which
     must fit the row's remaining budget and the context limit."""
-    budget = output.max_new_tokens - len(output.tokens)
-    return max(0, min(k, budget - 1, limit - n_tokens - 1))
+    return max(0, min(k, tokens_left(output, n_tokens, limit) - 1))
 
 
 def draft_budget(plan: DecodePlan, k: int, output: RowOutput, n_tokens: int,

@@ -19,7 +19,7 @@ from .drafters import Drafter
 from .kvcache import KVCache
 from .policy import DecodePlan
 from .prefix_cache import prefill
-from .rounds import RowOutput, RowSampler, draft_budget, needs_logits, tuned_round
+from .rounds import RowOutput, RowSampler, draft_budget, needs_logits, tokens_left, tuned_round
 from .stats import GenerationStats
 
 _NO_DRAFTS = np.zeros(0, np.int64)
@@ -95,16 +95,17 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
             stats.record_round(len(drafts), accepted, verify_s=verify_s,
                                draft_s=proposal.seconds if proposal else 0.0,
                                draft_calls=proposal.calls if proposal else 0)
+            kept = output.push(emitted, logits)
             if adaptive is not None and tuned_round(plan, proposal):
                 adaptive.update(len(drafts), accepted,
                                 proposal.step_seconds if proposal else 0.0,
                                 proposal.step_calls if proposal else 0, verify_s,
                                 drafter.catch_up(tokens) if drafter else 0,
                                 first_call=(1, proposal.first_width, proposal.first_seconds)
-                                if proposal and proposal.first_width else None)
+                                if proposal and proposal.first_width else None,
+                                tokens_left=tokens_left(output, len(tokens), limit))
             elif adaptive is not None:
                 adaptive.record_verify(len(drafts) + 1, verify_s)
-            kept = output.push(emitted, logits)
             stats.new_tokens = len(output.tokens)
             suspended = time.perf_counter()
             yield kept

@@ -171,16 +171,19 @@ def test_a_probe_from_plain_decoding_waits_for_a_cheap_catch_up() -> None:
     assert 1 in ks  # with a cheap catch-up the probes still run
 
 
-def _lagging_tuner(draft_step: float, lag_per_round: int = 1) -> tuple[AdaptiveK, list[int]]:
+def _lagging_tuner(draft_step: float, lag_per_round: int = 1,
+                   tokens_left: int | None = None) -> tuple[AdaptiveK, list[int]]:
     """A tuner that turned drafting off in its first round, then sees plain decoding grow
-    dearer (a longer past) while the draft, not fed at k = 0, falls behind; its choices."""
+    dearer (a longer past) while the draft, not fed at k = 0, falls behind; its choices.
+    `tokens_left`: what the rows may still generate, told with every round."""
     tuner = AdaptiveK(4)
     for accepted in (1, 0, 1, 0):  # half the first drafts accepted
         tuner.update(2, accepted, 2 * draft_step, 2, 1.3)
     ks, lag = [], 8
     for r in range(60):
         lag += lag_per_round
-        tuner.update(tuner.k, 0, 0.0, 0, 1.0 if r < 30 else 1.6, catch_up=lag)
+        tuner.update(tuner.k, 0, 0.0, 0, 1.0 if r < 30 else 1.6, catch_up=lag,
+                     tokens_left=tokens_left)
         ks.append(0 if tuner.probing else tuner.k)
         if tuner.k:
             break
@@ -196,6 +199,37 @@ def test_leaving_plain_decoding_must_pay_for_the_draft_catch_up() -> None:
     # A draft this cheap pays for its catch-up at once: drafting resumes.
     _, ks = _lagging_tuner(draft_step=0.001)
     assert ks[-1] > 0
+
+
+def test_leaving_plain_decoding_must_pay_before_the_rows_finish() -> None:
+    """Regression (a continuously batched server, 4 clients on 2 cores, in process:
+    `benchmarks/continuous_ab.py`): a continuous batch starts no texts, so a switch from k = 0
+    had only the probe interval to save its catch-up in, and rows with a few tokens left
+    drafted after a whole deferred draft prefill (2-6 rounds a pass, 100-350 ms each against
+    25-30 ms for a plain round: the server 0.95x of plain decoding). The rows' remaining budget
+    bounds it."""
+    def choices(tokens_left: int | None) -> list[int]:
+        tuner = AdaptiveK(4)
+        for accepted in (1, 0, 1, 0):  # drafting dearer than plain decoding: k -> 0
+            tuner.update(2, accepted, 2 * 0.3, 2, 1.3)
+        for _ in range(10):
+            tuner.update(0, 0, 0.0, 0, 1.0, catch_up=20, tokens_left=tokens_left)
+        assert tuner.k == 0
+        tuner.interval, tuner.next_probe = 256, tuner.rounds + 256  # no probe in the way
+        ks = []
+        for _ in range(60):  # plain decoding grows dearer: drafting would be ~45% faster
+            tuner.update(0, 0, 0.0, 0, 1.6, catch_up=20, tokens_left=tokens_left)
+            ks.append(tuner.k)
+            tuner.k = 0  # still lagging by 20 tokens (6 s of catch-up)
+        return ks
+
+    assert max(choices(None)) > 0  # saved within the probe interval: drafting resumes
+    assert max(choices(40)) > 0  # and within 40 tokens
+    assert choices(8) == [0] * 60  # not within 8
+    tuner = AdaptiveK(4)
+    tuner.update(0, 0, 0.0, 0, 1.0, tokens_left=3)
+    tuner.new_text()  # a new text's rows are not the last one's
+    assert tuner.tokens_left is None
 
 
 def test_a_new_text_pulls_forward_only_the_probes_due_during_it() -> None:

@@ -317,6 +317,30 @@ def test_a_rounds_first_draft_call_reaches_the_tuner_apart(concat_pair: Pair) ->
         assert row.generated == concat_pair.generate_ids(i, replace(cfg, drafter="none"))[0]
 
 
+def test_a_batch_tells_the_tuner_what_its_rows_may_still_generate(concat_pair: Pair) -> None:
+    """Each round tells adaptive K the most tokens a live row may still generate (its budget
+    within the context), which bounds what leaving k = 0 can save (`AdaptiveK.choose`)."""
+    from specedge.runtime.adaptive import AdaptiveK
+    from specedge.runtime.batch import BatchDecoder, RowRequest
+
+    cfg = GenerationConfig(max_new_tokens=10, drafter="model", num_draft_tokens=3,
+                           adaptive=True, ignore_eos=True)
+    plan = concat_pair.plan(cfg)
+    ids = [concat_pair.encode_prompt(p) for p in PROMPTS]
+    tuner = AdaptiveK(3)
+    decoder = BatchDecoder(concat_pair.target, concat_pair.draft, plan, capacity=len(ids),
+                           max_len=plan.cache_len(max(map(len, ids)), 10), tuner=tuner)
+    rows = [decoder.add(RowRequest(i, concat_pair.new_output(i, cfg)))
+            for i in ids]
+    told = []
+    while decoder.live:
+        decoder.step()
+        live = [r for r in rows if r.reason is None]
+        assert tuner.tokens_left == max((10 - len(r.generated) for r in live), default=0)
+        told.append(tuner.tokens_left)
+    assert told[-1] == 0 and told == sorted(told, reverse=True) and told[0] < 10
+
+
 def test_a_joined_rows_first_token_is_streamed_before_the_round(concat_pair: Pair) -> None:
     """Regression (`specedge serve`, session 27): the worker streamed a request's first token,
     which its prefill gives, only after the round that followed, so time to first token was
