@@ -411,6 +411,7 @@ class OrtModel(BatchRows):
         past_len = int(cache.lengths.max())
         if (cache.lengths != past_len).any():
             raise InputError("concat-form graphs need equal row lengths; use a gqa-shared pair")
+        cache.fit(past_len + tokens.shape[1])  # room for the new positions (rows alike: unpadded)
         feeds: dict[str, Any] = {self.spec.input_ids: tokens.astype(np.int64),
                                  self.spec.attention_mask: mask}
         if self.spec.position_ids:

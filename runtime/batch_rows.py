@@ -156,11 +156,12 @@ class BatchRows:
             skip, width = 1, 2
             tokens = np.concatenate([cache.fed[rows, lengths - 1][:, None], tokens], axis=1)
             lengths, new_lens = lengths - 1, new_lens + 1
-        past = int(lengths.max())
-        total = past + width  # the padded attention span; only each row's own tokens are kept
         if int((lengths + new_lens).max()) > cache.max_len:
             raise InputError(f"{self.name} model: {int((lengths + new_lens).max())} tokens "
                              f"exceed the context of {cache.max_len}")
+        # The pasts padded to the longest (gathered), or to the cache's room (bound in place).
+        past = cache.padded_past(rows, lengths, lengths + new_lens)
+        total = past + width  # the padded attention span; only each row's own tokens are kept
         at = np.arange(total)[None, :]
         mask = ((at < lengths[:, None]) |
                 ((at >= past) & (at < past + new_lens[:, None]))).astype(np.int64)
@@ -310,10 +311,11 @@ class BatchRows:
     def _run_host_kv(self, cache: KVCache, rows: np.ndarray, feeds: dict[str, Any],
                      lengths: np.ndarray, new_lens: np.ndarray, past: int, width: int
                      ) -> ort.OrtValue | np.ndarray:
-        """One concat-form run on a cache kept in host memory: the rows' pasts gathered into,
-        and the presents written to, staging buffers the cache reuses (bound by address), then
-        each row's new positions copied after its own prefix. The logits: a new host array on
-        the CPU, left on the device elsewhere.
+        """One concat-form run on a cache kept in host memory: the rows' pasts bound where
+        they are (neighbouring rows padded to the cache's room: `runtime/kv_room`) or gathered
+        into a staging buffer, the presents written to another (both reused, bound by address),
+        then each row's new positions copied after its own prefix. The logits: a new host array
+        on the CPU, left on the device elsewhere.
 
         Nothing as large as the cache is allocated per call. Fresh past and present arrays for
         every layer and call made glibc map and unmap them: 1,800 page faults per call at batch
@@ -321,11 +323,16 @@ class BatchRows:
         spec, host, r = self.spec, cache.host, len(rows)
         assert host is not None, "a concat-form cache in host memory"
         n, heads, dim = host.shape[0], spec.num_kv_heads, spec.head_dim
-        pasts = cache.staging("pasts", n * r * heads * past * dim).reshape(n, r, heads, past, dim)
+        lo = int(rows[0])
+        if past == cache.room and bool((rows == np.arange(lo, lo + r)).all()):
+            pasts = host[:, lo:lo + r]  # each layer's rows: one contiguous block of the cache
+        else:
+            pasts = cache.staging("pasts", n * r * heads * past * dim).reshape(
+                n, r, heads, past, dim)
+            for i, row in enumerate(rows):  # one copy per row, all layers at once
+                pasts[:, i] = host[:, row, :, :past]
         presents = cache.staging("presents", n * r * heads * (past + width) * dim).reshape(
             n, r, heads, past + width, dim)
-        for i, row in enumerate(rows):  # one copy per row, all layers at once
-            pasts[:, i] = host[:, row, :, :past]
         binding = self.session.io_binding()
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(arr))

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnxruntime as ort
 
+from . import kv_room
 from .device_kv import DeviceKV, copy_span, zero_fill
 from .errors import InputError, ModelError
 from .sessions import NO_GRAPH_OPTIONS, NP_DTYPES, graph_run_options
@@ -139,6 +140,9 @@ class KVCache:
         self.model, self.batch, self.max_len = model, batch, max_len
         self.lengths = np.zeros(batch, dtype=np.int64)
         self.host: np.ndarray | None = None  # the concat form's cache in host memory
+        # The concat form: positions each row has room for (the host array's sequence axis, a
+        # view of the first part of one buffer of `max_len`; `runtime/kv_room`).
+        self.room = max_len
         self.values: list[ort.OrtValue] = []
         self.device_kv: DeviceKV | None = None
         self._fixed: FixedBuffers | None = None
@@ -183,6 +187,49 @@ class KVCache:
     def _allocate(self) -> None:
         self.host, self.values, self.device_kv = _allocate_kv(self.model, self.batch,
                                                               self.max_len)
+        if kv_room.pads(self.model.spec) and (self.host is not None
+                                              or self.device_kv is not None):
+            self.room = kv_room.room_for(0, self.max_len)
+            if self.host is not None:
+                self._buffer = self.host.reshape(-1)
+                self.host = self._host_view()
+
+    def _host_view(self) -> np.ndarray:
+        """The concat form's host cache `[2 x layers, batch, heads, room, head_dim]`."""
+        n, batch, heads, _, dim = self._buffer_shape
+        return self._buffer[:n * batch * heads * self.room * dim].reshape(
+            n, batch, heads, self.room, dim)
+
+    @property
+    def _buffer_shape(self) -> tuple[int, int, int, int, int]:
+        spec = self.model.spec
+        return (2 * spec.num_layers, self.batch, spec.num_kv_heads, self.max_len,
+                spec.head_dim)
+
+    def fit(self, longest: int) -> None:
+        """Give the concat form's rows room for `longest` positions (or no more than they
+        need: `kv_room.next_room`), re-laying the host cache in place when the room changes."""
+        if not kv_room.pads(self.model.spec) or (self.host is None and self.device_kv is None):
+            return  # the room stays the whole context
+        room = kv_room.next_room(self.room, max(longest, int(self.lengths.max())),
+                                 self.max_len)
+        if room == self.room:
+            return
+        if self.host is not None:
+            n, batch, heads, _, dim = self._buffer_shape
+            kv_room.restride(self._buffer, n * batch * heads, self.room, room, dim)
+        self.room = room
+        if self.host is not None:
+            self.host = self._host_view()
+
+    def padded_past(self, rows: np.ndarray, lengths: np.ndarray, ends: np.ndarray) -> int:
+        """The past a concat-form call of `rows` pads their pasts to (valid `lengths`, each
+        holding `ends` positions after it), having given them room (`fit`): `kv_room`."""
+        if not kv_room.pads(self.model.spec):
+            return int(lengths.max())
+        self.fit(int(ends.max()))
+        contiguous = bool((np.diff(rows) == 1).all())
+        return kv_room.padded_past(self.room, lengths, contiguous)
 
     def __del__(self) -> None:
         fixed = getattr(self, "_fixed", None)
@@ -234,6 +281,7 @@ class KVCache:
             raise AssertionError(f"copy of positions [{start}, {end}) into a row of length "
                                  f"{self.lengths[row]} from one of {other.lengths[row]}")
         if self.host is not None or other.host is not None:  # one of them on the host (CPU)
+            self.fit(end)
             for i in range(2 * self.model.spec.num_layers):
                 self.cpu_layer(i)[row, :, start:end] = other.cpu_layer(i)[row, :, start:end]
         else:  # in place: each value `[batch, heads, max_len, head_dim]`, a span per head

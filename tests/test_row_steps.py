@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specedge.runtime import rowprobe
+from specedge.runtime import kv_room, rowprobe
 from specedge.runtime.backend import OrtModel
 from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
 from specedge.runtime.rowprobe import RowProbe
@@ -128,7 +128,8 @@ def test_two_row_argmax_step_takes_the_callers_position(fixtures_dir: Path) -> N
     assert ids.shape == (1, 1) and (ids[0] == want).all()
 
 
-def test_two_row_ragged_steps_equal_block_logits(fixtures_dir: Path) -> None:
+def test_two_row_ragged_steps_equal_block_logits(fixtures_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched (ragged) path: a single row's one-token step runs as two rows too."""
     pair = _with(fixtures_dir / "tiny-llama-concat")
     t = pair.target
@@ -148,21 +149,32 @@ def test_two_row_ragged_steps_equal_block_logits(fixtures_dir: Path) -> None:
     block = run([BLOCK])
     assert np.array_equal(run([1] * BLOCK), block)
     # Two rows of different lengths, one token each: both widen (the attention of each row
-    # then never takes its one-new-token path either). The longest row has no attention-mask
-    # holes and matches bit for bit; the shorter one's holes move from call to call, which
-    # changes the softmax's reduction length: rounding only.
+    # then never takes its one-new-token path either).
     other = [9, 8, 7, 6, 5, 4, 3]
     both = np.asarray([0, 1])
-    blocks, steps = t.new_cache(2, 32), t.new_cache(2, 32)
-    head = np.asarray([other[:-BLOCK] + [0] * (len(IDS) - len(other)), IDS[:-BLOCK]])
-    for cache in (blocks, steps):
-        t.forward_rows(cache, both, head, np.asarray([len(other) - BLOCK, len(IDS) - BLOCK]))
-    whole = t.forward_rows(blocks, both, np.asarray([other[-BLOCK:], IDS[-BLOCK:]]),
-                           np.asarray([BLOCK, BLOCK]))
-    one = np.concatenate([t.forward_rows(steps, both, np.asarray([[other[i - BLOCK]],
-                                                                   [IDS[i - BLOCK]]]),
-                                         np.asarray([1, 1])) for i in range(BLOCK)], axis=1)
-    assert (steps.lengths == [len(other), len(IDS)]).all()
+
+    def blocks_and_steps() -> tuple[np.ndarray, np.ndarray]:
+        blocks, steps = t.new_cache(2, 32), t.new_cache(2, 32)
+        head = np.asarray([other[:-BLOCK] + [0] * (len(IDS) - len(other)), IDS[:-BLOCK]])
+        for cache in (blocks, steps):
+            t.forward_rows(cache, both, head, np.asarray([len(other) - BLOCK,
+                                                          len(IDS) - BLOCK]))
+        whole = t.forward_rows(blocks, both, np.asarray([other[-BLOCK:], IDS[-BLOCK:]]),
+                               np.asarray([BLOCK, BLOCK]))
+        one = np.concatenate([t.forward_rows(steps, both, np.asarray([[other[i - BLOCK]],
+                                                                       [IDS[i - BLOCK]]]),
+                                             np.asarray([1, 1])) for i in range(BLOCK)], axis=1)
+        assert (steps.lengths == [len(other), len(IDS)]).all()
+        return whole, one
+
+    # This fp32 model pads the rows' pasts to its cache's room (`runtime/kv_room`): every row
+    # has holes, which move from call to call and change the softmax's reduction length.
+    whole, one = blocks_and_steps()
+    assert np.abs(one - whole).max() < 1e-4 and np.abs(whole[1] - block).max() < 1e-4
+    # Where the calls gather the rows' pasts instead (a model that is not fp32) the longest row
+    # has no holes and matches bit for bit; the shorter one: rounding only.
+    monkeypatch.setattr(kv_room, "pads", lambda spec: False)
+    whole, one = blocks_and_steps()
     assert np.array_equal(one[1], whole[1]) and np.abs(one[0] - whole[0]).max() < 1e-4
     assert np.array_equal(whole[1], block)
     cache = t.new_cache(2, 32)

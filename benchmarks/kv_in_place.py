@@ -1,0 +1,141 @@
+"""A concat-form host cache bound in place against gathered, per call and end to end, in one run.
+
+    python benchmarks/kv_in_place.py pairs/smollm2-135m-concat --rows 4 --repeat 4
+
+"gathered" is how batched calls ran before `runtime/kv_room`: the cache laid out for its whole
+context, every call copying its rows' pasts into a staging buffer. "in place": neighbouring rows
+padded to the cache's room and bound where they are. The two are switched by replacing
+`kv_room`'s two policy functions for the duration of a measurement.
+
+1. Per call: `forward_rows` of `--rows` rows after ragged pasts around `--past` positions, a
+   verify block (K+1 = 4) and a decode step, medians of `--calls` calls each, the modes
+   alternating.
+2. End to end: one `ContinuousBatch` per mode and drafting (the pair's draft, and plain
+   target-only), kept for the whole run as a server keeps it, one untimed pass each, then
+   `--repeat` timed passes over the prompts, the modes alternating which goes first. Every
+   pass's tokens are compared with the gathered plain pass's (greedy: equal token for token is
+   expected but not guaranteed: padding changes the attention's rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import numpy as np
+
+from specedge.runtime import kv_room
+from specedge.runtime.pair import GenerationConfig, Pair
+from specedge.runtime.prompts import default_prompts
+from specedge.runtime.serving import ContinuousBatch
+
+IN_PLACE = (kv_room.padded_past, kv_room.next_room)
+GATHERED = (lambda room, fed, contiguous: int(fed.max()),
+            lambda room, longest, max_len: max_len)
+
+
+@contextlib.contextmanager
+def mode(name: str) -> Iterator[None]:
+    kv_room.padded_past, kv_room.next_room = IN_PLACE if name == "in place" else GATHERED  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        kv_room.padded_past, kv_room.next_room = IN_PLACE
+
+
+def per_call(pair: Pair, rows: int, past: int, calls: int) -> None:
+    model, rng = pair.target, np.random.default_rng(0)
+    vocab = model.logits_size
+    lengths = past - rng.integers(0, max(1, past // 8), rows)
+    caches = {}
+    for name in ("gathered", "in place"):
+        with mode(name):
+            cache = model.new_cache(rows, past + 64)
+            for row, n in enumerate(lengths):  # each row's prompt alone, as a batch joins them
+                model.feed_rows(cache, np.array([row]), rng.integers(3, vocab, (1, int(n))),
+                                np.array([n]))
+            caches[name] = cache
+    for width in (4, 1):
+        times: dict[str, list[float]] = defaultdict(list)
+        tokens = rng.integers(3, vocab, (rows, width))
+        for i in range(calls):
+            for name in (("gathered", "in place") if i % 2 else ("in place", "gathered")):
+                cache = caches[name]
+                with mode(name):
+                    t0 = time.perf_counter()
+                    model.forward_rows(cache, np.arange(rows), tokens, np.full(rows, width))
+                    times[name].append(time.perf_counter() - t0)
+                    cache.rollback(cache.lengths - width)
+        g, p = (statistics.median(times[n]) * 1e3 for n in ("gathered", "in place"))
+        print(f"per call, {rows} rows x {width} new after pasts {lengths.min()}..{lengths.max()}"
+              f" (room {caches['in place'].room}): gathered {g:.2f} ms, in place {p:.2f} ms, "
+              f"{g / p:.3f}x", flush=True)
+
+
+def run_pass(server: ContinuousBatch, prompts: list[str], config: GenerationConfig
+             ) -> tuple[float, list[list[int]]]:
+    ids = [server.submit(p, config) for p in prompts]
+    results = {}
+    start = time.perf_counter()
+    while server.busy:
+        results.update(server.step())
+    elapsed = time.perf_counter() - start
+    tokens = [results[i].tokens for i in ids]
+    return sum(len(t) for t in tokens) / elapsed, tokens
+
+
+def end_to_end(pair: Pair, rows: int, prompts: list[str], config: GenerationConfig,
+               repeat: int) -> None:
+    servers = {}
+    for name in ("gathered", "in place"):
+        for drafting, drafter in (("spec", None), ("plain", "none")):
+            with mode(name):
+                server = ContinuousBatch(pair, capacity=rows, drafter=drafter)
+                run_pass(server, prompts, config)  # the warm-up: untimed
+            servers[name, drafting] = server
+    rates: dict[tuple[str, str], list[float]] = defaultdict(list)
+    reference: list[list[int]] | None = None
+    for rep in range(repeat):
+        order = ("gathered", "in place") if rep % 2 else ("in place", "gathered")
+        for drafting in ("spec", "plain"):
+            for name in order:
+                with mode(name):
+                    rate, tokens = run_pass(servers[name, drafting], prompts, config)
+                if reference is None:
+                    with mode("gathered"):
+                        reference = run_pass(servers["gathered", "plain"], prompts, config)[1]
+                same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+                rates[name, drafting].append(rate)
+                print(f"{drafting:5} {name:8} pass {rep}: {rate:6.1f} tok/s, equal to gathered "
+                      f"plain {same}/{len(tokens)}", flush=True)
+    for drafting in ("spec", "plain"):
+        g = statistics.median(rates["gathered", drafting])
+        p = statistics.median(rates["in place", drafting])
+        print(f"median {drafting}: gathered {g:.1f} tok/s, in place {p:.1f} tok/s, {p / g:.3f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pair", help="a --graph concat pair folder")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--past", type=int, default=200)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=4)
+    ap.add_argument("--providers", default="cpu")
+    args = ap.parse_args()
+    pair = Pair.load(args.pair, providers=args.providers)
+    print(f"{args.pair}: {args.rows} rows, {args.providers}")
+    for past in (args.past, 4 * args.past):
+        per_call(pair, args.rows, past, args.calls)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, chat=True)
+    end_to_end(pair, args.rows, list(default_prompts()[:args.prompts]), config, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
