@@ -15,6 +15,9 @@ padded to the cache's room and bound where they are. The two are switched by rep
    `--repeat` timed passes over the prompts, the modes alternating which goes first. Every
    pass's tokens are compared with the gathered plain pass's (greedy: equal token for token is
    expected but not guaranteed: padding changes the attention's rounding).
+3. The kept KV binding: the same per-call measurement in place, the cache's kept binding of the
+   2 x layers pasts and presents used, or dropped before each call (as every call bound them
+   before).
 """
 
 from __future__ import annotations
@@ -76,6 +79,29 @@ def per_call(pair: Pair, rows: int, past: int, calls: int) -> None:
               f"{g / p:.3f}x", flush=True)
 
 
+def kept_binding(pair: Pair, rows: int, past: int, calls: int) -> None:
+    model, rng = pair.target, np.random.default_rng(1)
+    vocab = model.logits_size
+    cache = model.new_cache(rows, past + 64)
+    for row, n in enumerate(past - rng.integers(0, max(1, past // 8), rows)):
+        model.feed_rows(cache, np.array([row]), rng.integers(3, vocab, (1, int(n))),
+                        np.array([n]))
+    for width in (4, 1):
+        times: dict[str, list[float]] = defaultdict(list)
+        tokens = rng.integers(3, vocab, (rows, width))
+        for i in range(calls):
+            for name in (("kept", "dropped") if i % 2 else ("dropped", "kept")):
+                if name == "dropped":
+                    cache.host_binding = None
+                t0 = time.perf_counter()
+                model.forward_rows(cache, np.arange(rows), tokens, np.full(rows, width))
+                times[name].append(time.perf_counter() - t0)
+                cache.rollback(cache.lengths - width)
+        d, k = (statistics.median(times[n]) * 1e3 for n in ("dropped", "kept"))
+        print(f"binding, {rows} rows x {width} new in place: bound anew {d:.2f} ms, kept "
+              f"{k:.2f} ms, {d / k:.3f}x", flush=True)
+
+
 def run_pass(server: ContinuousBatch, prompts: list[str], config: GenerationConfig
              ) -> tuple[float, list[list[int]]]:
     ids = [server.submit(p, config) for p in prompts]
@@ -133,6 +159,7 @@ def main() -> None:
     print(f"{args.pair}: {args.rows} rows, {args.providers}")
     for past in (args.past, 4 * args.past):
         per_call(pair, args.rows, past, args.calls)
+    kept_binding(pair, args.rows, args.past, 2 * args.calls)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, chat=True)
     end_to_end(pair, args.rows, list(default_prompts()[:args.prompts]), config, args.repeat)
 

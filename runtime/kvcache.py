@@ -155,6 +155,8 @@ class KVCache:
         self.fed = np.zeros((batch, max_len), dtype=np.int64)
         self._binding: Any = None
         self._staging: dict[str, np.ndarray] = {}  # host concat form: reused per-call buffers
+        # The host concat form's last KV binding, keyed by its buffers' addresses and shapes.
+        self.host_binding: tuple[tuple[Any, ...], Any] | None = None
         self._logits: dict[tuple[int, int, int], np.ndarray] = {}
         # Logits OrtValues on the model's device for the last KEPT_LOGITS shapes (oldest first).
         self._device_logits: dict[tuple[int, int, int], ort.OrtValue] = {}

@@ -152,3 +152,28 @@ def test_a_batch_of_rows_is_greedy_as_each_row_alone(concat_dir: Path) -> None:
         kv_room.next_room = original  # type: ignore[assignment]
     assert batched == alone
     assert len(set(rooms)) >= 3  # the room grew as the rows did
+
+
+def test_calls_on_the_same_buffers_keep_their_kv_binding(target) -> None:  # noqa: ANN001
+    """Rounds at one width bind the 2 x layers pasts and presents once; a call on other buffers
+    or shapes binds anew, and every call computes what a fresh cache computes."""
+    rng = np.random.default_rng(6)
+    vocab = target.logits_size
+    cache, fresh = target.new_cache(4, 200), target.new_cache(4, 200)
+    for c in (cache, fresh):
+        target.forward_rows(c, np.arange(4), np.full((4, 40), 7),
+                            np.array([40, 36, 38, 33]))
+    tokens = rng.integers(3, vocab, (4, 4))
+    first = target.forward_rows(cache, np.arange(4), tokens, np.full(4, 4))
+    held = cache.host_binding
+    cache.rollback(cache.lengths - 4)
+    again = target.forward_rows(cache, np.arange(4), tokens, np.full(4, 4))
+    assert cache.host_binding is held and np.array_equal(first, again)
+    cache.rollback(cache.lengths - 4)
+    other = target.forward_rows(cache, np.arange(4), tokens[:, :2], np.full(4, 2))
+    assert cache.host_binding is not held
+    want = target.forward_rows(fresh, np.arange(4), tokens, np.full(4, 4))
+    assert np.array_equal(want, first)
+    fresh.rollback(fresh.lengths - 4)
+    assert np.array_equal(target.forward_rows(fresh, np.arange(4), tokens[:, :2],
+                                              np.full(4, 2)), other)
