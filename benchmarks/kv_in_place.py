@@ -27,11 +27,13 @@ import contextlib
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from specedge.runtime import kv_room
+from specedge.runtime.kvcache import KVCache
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.prompts import default_prompts
 from specedge.runtime.serving import ContinuousBatch
@@ -50,54 +52,63 @@ def mode(name: str) -> Iterator[None]:
         kv_room.padded_past, kv_room.next_room = IN_PLACE
 
 
-def per_call(pair: Pair, rows: int, past: int, calls: int) -> None:
-    model, rng = pair.target, np.random.default_rng(0)
-    vocab = model.logits_size
+def prefilled(pair: Pair, rows: int, past: int, seed: int) -> tuple[KVCache, np.ndarray]:
+    """A target cache of `rows` rows, each row's prompt (ragged, about `past` tokens) fed alone,
+    as a batch joins them."""
+    model, rng = pair.target, np.random.default_rng(seed)
     lengths = past - rng.integers(0, max(1, past // 8), rows)
+    cache = model.new_cache(rows, past + 64)
+    for row, n in enumerate(lengths):
+        model.feed_rows(cache, np.array([row]), rng.integers(3, model.logits_size, (1, int(n))),
+                        np.array([n]))
+    return cache, lengths
+
+
+def alternate(pair: Pair, caches: dict[str, KVCache], before: Callable[[str], Any],
+              width: int, calls: int) -> dict[str, float]:
+    """Median milliseconds of a `forward_rows` call of every row at `width` new tokens, the
+    names of `caches` alternating which goes first; `before(name)` is entered around each."""
+    model = pair.target
+    rows = next(iter(caches.values())).batch
+    tokens = np.random.default_rng(width).integers(3, model.logits_size, (rows, width))
+    times: dict[str, list[float]] = defaultdict(list)
+    names = list(caches)
+    for i in range(calls):
+        for name in (names if i % 2 else names[::-1]):
+            cache = caches[name]
+            with before(name):
+                t0 = time.perf_counter()
+                model.forward_rows(cache, np.arange(rows), tokens, np.full(rows, width))
+                times[name].append(time.perf_counter() - t0)
+                cache.rollback(cache.lengths - width)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def per_call(pair: Pair, rows: int, past: int, calls: int) -> None:
     caches = {}
     for name in ("gathered", "in place"):
         with mode(name):
-            cache = model.new_cache(rows, past + 64)
-            for row, n in enumerate(lengths):  # each row's prompt alone, as a batch joins them
-                model.feed_rows(cache, np.array([row]), rng.integers(3, vocab, (1, int(n))),
-                                np.array([n]))
-            caches[name] = cache
+            caches[name], lengths = prefilled(pair, rows, past, seed=0)
     for width in (4, 1):
-        times: dict[str, list[float]] = defaultdict(list)
-        tokens = rng.integers(3, vocab, (rows, width))
-        for i in range(calls):
-            for name in (("gathered", "in place") if i % 2 else ("in place", "gathered")):
-                cache = caches[name]
-                with mode(name):
-                    t0 = time.perf_counter()
-                    model.forward_rows(cache, np.arange(rows), tokens, np.full(rows, width))
-                    times[name].append(time.perf_counter() - t0)
-                    cache.rollback(cache.lengths - width)
-        g, p = (statistics.median(times[n]) * 1e3 for n in ("gathered", "in place"))
+        ms = alternate(pair, caches, mode, width, calls)
+        g, p = ms["gathered"], ms["in place"]
         print(f"per call, {rows} rows x {width} new after pasts {lengths.min()}..{lengths.max()}"
               f" (room {caches['in place'].room}): gathered {g:.2f} ms, in place {p:.2f} ms, "
               f"{g / p:.3f}x", flush=True)
 
 
 def kept_binding(pair: Pair, rows: int, past: int, calls: int) -> None:
-    model, rng = pair.target, np.random.default_rng(1)
-    vocab = model.logits_size
-    cache = model.new_cache(rows, past + 64)
-    for row, n in enumerate(past - rng.integers(0, max(1, past // 8), rows)):
-        model.feed_rows(cache, np.array([row]), rng.integers(3, vocab, (1, int(n))),
-                        np.array([n]))
+    cache = prefilled(pair, rows, past, seed=1)[0]
+
+    @contextlib.contextmanager
+    def binding(name: str) -> Iterator[None]:
+        if name == "dropped":
+            cache.host_binding = None
+        yield
+
     for width in (4, 1):
-        times: dict[str, list[float]] = defaultdict(list)
-        tokens = rng.integers(3, vocab, (rows, width))
-        for i in range(calls):
-            for name in (("kept", "dropped") if i % 2 else ("dropped", "kept")):
-                if name == "dropped":
-                    cache.host_binding = None
-                t0 = time.perf_counter()
-                model.forward_rows(cache, np.arange(rows), tokens, np.full(rows, width))
-                times[name].append(time.perf_counter() - t0)
-                cache.rollback(cache.lengths - width)
-        d, k = (statistics.median(times[n]) * 1e3 for n in ("dropped", "kept"))
+        ms = alternate(pair, {"dropped": cache, "kept": cache}, binding, width, calls)
+        d, k = ms["dropped"], ms["kept"]
         print(f"binding, {rows} rows x {width} new in place: bound anew {d:.2f} ms, kept "
               f"{k:.2f} ms, {d / k:.3f}x", flush=True)
 
