@@ -13,15 +13,15 @@ row that the cache was allocated with.
 What a call is padded to decides its rounding (its attention sums over `past + width` keys with
 the holes masked), so:
 
-- the choice is a pure function of the cache's lengths and room (`padded_past`), the same for a
-  cache on the device (`runtime/device_kv`);
+- the choice is a pure function of the cache's lengths and room (`padded_past`);
+- a cache on the device (`runtime/device_kv`) is never padded: it is gathered on the device
+  whatever the padding, so there is no copy to save and padding would only change its rounding;
 - a call of one row is never padded: a row alone (batch 1, a prompt's chunk) computes exactly
   what it always did;
 - only fp32 models pad (`pads`). There a hole moves a logit by rounding (~1e-5, as the holes of
   the shorter rows of a batch always did). A model whose activations are quantized in the graph
   turns such a rounding difference into ~0.6 logits (`docs/results/batch_invariance.md`), so it
-  keeps the gather, which leaves the longest row of a call without holes; fp16 (CUDA) models
-  keep it too, their gather runs on the device.
+  keeps the gather, which leaves the longest row of a call without holes.
 """
 
 from __future__ import annotations

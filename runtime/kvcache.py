@@ -189,12 +189,10 @@ class KVCache:
     def _allocate(self) -> None:
         self.host, self.values, self.device_kv = _allocate_kv(self.model, self.batch,
                                                               self.max_len)
-        if kv_room.pads(self.model.spec) and (self.host is not None
-                                              or self.device_kv is not None):
+        if self.host is not None and kv_room.pads(self.model.spec):
             self.room = kv_room.room_for(0, self.max_len)
-            if self.host is not None:
-                self._buffer = self.host.reshape(-1)
-                self.host = self._host_view()
+            self._buffer = self.host.reshape(-1)
+            self.host = self._host_view()
 
     def _host_view(self) -> np.ndarray:
         """The concat form's host cache `[2 x layers, batch, heads, room, head_dim]`."""
@@ -208,26 +206,30 @@ class KVCache:
         return (2 * spec.num_layers, self.batch, spec.num_kv_heads, self.max_len,
                 spec.head_dim)
 
+    @property
+    def _pads(self) -> bool:
+        """Batched calls pad their rows to the room and bind them in place: a host cache of
+        an fp32 model (`kv_room.pads`). A device cache (`runtime/device_kv`) is gathered on
+        the device whatever the padding, so it is never padded."""
+        return self.host is not None and kv_room.pads(self.model.spec)
+
     def fit(self, longest: int) -> None:
         """Give the concat form's rows room for `longest` positions (or no more than they
         need: `kv_room.next_room`), re-laying the host cache in place when the room changes."""
-        if not kv_room.pads(self.model.spec) or (self.host is None and self.device_kv is None):
+        if not self._pads:
             return  # the room stays the whole context
         room = kv_room.next_room(self.room, max(longest, int(self.lengths.max())),
                                  self.max_len)
-        if room == self.room:
-            return
-        if self.host is not None:
+        if room != self.room:
             n, batch, heads, _, dim = self._buffer_shape
             kv_room.restride(self._buffer, n * batch * heads, self.room, room, dim)
-        self.room = room
-        if self.host is not None:
+            self.room = room
             self.host = self._host_view()
 
     def padded_past(self, rows: np.ndarray, lengths: np.ndarray, ends: np.ndarray) -> int:
         """The past a concat-form call of `rows` pads their pasts to (valid `lengths`, each
         holding `ends` positions after it), having given them room (`fit`): `kv_room`."""
-        if not kv_room.pads(self.model.spec):
+        if not self._pads:
             return int(lengths.max())
         self.fit(int(ends.max()))
         contiguous = bool((np.diff(rows) == 1).all())

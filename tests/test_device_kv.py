@@ -12,12 +12,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from specedge.runtime import kv_room
 from specedge.runtime.device_kv import DeviceKV
 from specedge.runtime.pair import GenerationConfig, Pair, ThreadPlan, plan_threads
 from specedge.runtime.sampling import SamplingParams
 
+SHIPPED_PADS = kv_room.pads
 PROMPTS = ["the quick brown fox", "a b c d e f g a b c", "once upon a time there was",
            "numbers 1 2 3 4 5 6 7 8", "hi"]
+
+
+@pytest.fixture(autouse=True)
+def same_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host path pads a batch's rows to its cache's room and binds them in place
+    (`runtime/kv_room`); a device cache never pads. The two gathers are compared here at the
+    same padding: the host path's rows padded to the longest, as the device's are."""
+    monkeypatch.setattr(kv_room, "pads", lambda spec: False)
+
+
+def test_a_device_cache_is_never_padded(on_device: Pair, on_host: Pair,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_room, "pads", SHIPPED_PADS)
+    rows, lengths, ends = np.arange(2), np.array([100, 90]), np.array([104, 94])
+    device, host = on_device.target.new_cache(2, 300), on_host.target.new_cache(2, 300)
+    assert device.padded_past(rows, lengths, ends) == 100
+    assert host.padded_past(rows, lengths, ends) == host.room == 128  # fp32 on the host: padded
 
 
 @pytest.fixture(scope="module")
