@@ -143,6 +143,7 @@ class KVCache:
         # The concat form: positions each row has room for (the host array's sequence axis, a
         # view of the first part of one buffer of `max_len`; `runtime/kv_room`).
         self.room = max_len
+        self._pads = False  # see `_allocate`
         self.values: list[ort.OrtValue] = []
         self.device_kv: DeviceKV | None = None
         self._fixed: FixedBuffers | None = None
@@ -189,7 +190,11 @@ class KVCache:
     def _allocate(self) -> None:
         self.host, self.values, self.device_kv = _allocate_kv(self.model, self.batch,
                                                               self.max_len)
-        if self.host is not None and kv_room.pads(self.model.spec):
+        # Batched calls pad their rows to the room and bind them in place: a host cache of an
+        # fp32 model (`kv_room.pads`). A device cache (`runtime/device_kv`) is gathered on the
+        # device whatever the padding, so it is never padded.
+        self._pads = self.host is not None and kv_room.pads(self.model.spec)
+        if self.host is not None and self._pads:
             self.room = kv_room.room_for(0, self.max_len)
             self._buffer = self.host.reshape(-1)
             self.host = self._host_view()
@@ -205,13 +210,6 @@ class KVCache:
         spec = self.model.spec
         return (2 * spec.num_layers, self.batch, spec.num_kv_heads, self.max_len,
                 spec.head_dim)
-
-    @property
-    def _pads(self) -> bool:
-        """Batched calls pad their rows to the room and bind them in place: a host cache of
-        an fp32 model (`kv_room.pads`). A device cache (`runtime/device_kv`) is gathered on
-        the device whatever the padding, so it is never padded."""
-        return self.host is not None and kv_room.pads(self.model.spec)
 
     def fit(self, longest: int) -> None:
         """Give the concat form's rows room for `longest` positions (or no more than they

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specedge.runtime import kv_room
@@ -177,3 +177,49 @@ def test_calls_on_the_same_buffers_keep_their_kv_binding(target) -> None:  # noq
     fresh.rollback(fresh.lengths - 4)
     assert np.array_equal(target.forward_rows(fresh, np.arange(4), tokens[:, :2],
                                               np.full(4, 2)), other)
+
+
+steps = st.lists(st.tuples(st.lists(st.booleans(), min_size=4, max_size=4),  # rows fed
+                           st.integers(1, 9),  # block width
+                           st.lists(st.integers(0, 12), min_size=4, max_size=4)),  # rollbacks
+                 min_size=1, max_size=14)
+
+
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(calls=steps, seed=st.integers(0, 2**16))
+def test_any_call_sequence_agrees_with_the_gathered_cache(
+        target, calls: list[tuple[list[bool], int, list[int]]], seed: int  # noqa: ANN001
+) -> None:
+    """Ragged calls, rollbacks, the room growing and shrinking: the padded cache gives what a
+    cache that gathers every call gives, to rounding, and holds the same positions."""
+    rng = np.random.default_rng(seed)
+    vocab = target.logits_size
+    padded = target.new_cache(4, 160)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kv_room, "pads", lambda spec: False)
+        gathered = target.new_cache(4, 160)  # decides at allocation: gathers every call
+    caches = (padded, gathered)
+
+    for take, width, back in calls:
+        rows = np.flatnonzero(take)
+        if not len(rows):
+            continue
+        ends = padded.lengths[rows] + width
+        lens = np.where(ends <= padded.max_len, width, 0)
+        rows, lens = rows[lens > 0], lens[lens > 0]
+        if not len(rows):
+            continue
+        tokens = rng.integers(3, vocab, (len(rows), width))
+        got, want = (target.forward_rows(c, rows, tokens, lens) for c in caches)
+        valid = np.arange(width)[None, :] < lens[:, None]
+        assert np.abs(got - want)[valid].max() < 1e-4
+        assert np.array_equal(padded.lengths, gathered.lengths)
+        assert padded.lengths.max() <= padded.room <= padded.max_len
+        shorter = np.maximum(padded.lengths - np.asarray(back), 0)
+        for cache in caches:
+            cache.rollback(shorter)
+    for row, n in enumerate(padded.lengths):
+        assert np.array_equal(padded.fed[row, :n], gathered.fed[row, :n])
+        assert np.allclose(padded.host[:, row, :, :n], gathered.host[:, row, :, :n], rtol=0,
+                           atol=1e-4)
