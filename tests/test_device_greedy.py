@@ -31,6 +31,7 @@ from specedge.runtime.sessions import (
     graph_run_options,
     helper_config,
 )
+from tests.concat_reference import assert_equals_session_run, pasts_of
 
 PROMPTS = ["the quick brown fox", "a b c d e f g a b c", "once upon a time there was",
            "numbers 1 2 3 4 5 6 7 8"]
@@ -314,35 +315,17 @@ def test_host_kv_run_equals_the_plain_run(concat_dir: Path) -> None:
     buffers reused and grown across calls): the same logits and cache as `session.run` fed the
     rows' pasts, for ragged row subsets in any order."""
     model = Pair.load(concat_dir).target
-    spec = model.spec
     rng = np.random.default_rng(5)
-    cache = model.new_cache(3, 40)
+    cache = model.new_cache(3, 40)  # rows this short are gathered (`kv_room.padded_past`)
     model.forward_rows(cache, np.arange(3), rng.integers(3, 300, (3, 6)), np.array([6, 4, 5]))
     for rows, width, lens in (([2, 0], 3, [3, 1]), ([1], 1, [1]), ([0, 1, 2], 5, [5, 2, 4]),
                               ([2, 1], 2, [2, 2])):
         rows_a, lens_a = np.asarray(rows), np.asarray(lens)
         tokens = rng.integers(3, 300, (len(rows), width)).astype(np.int64)
-        lengths = cache.lengths[rows_a].copy()
-        past = int(lengths.max())
-        at = np.arange(past + width)[None, :]
-        feeds: dict[str, object] = {
-            spec.input_ids: tokens,
-            spec.attention_mask: ((at < lengths[:, None]) | ((at >= past) & (
-                at < past + lens_a[:, None]))).astype(np.int64)}
-        if spec.position_ids:
-            feeds[spec.position_ids] = lengths[:, None] + np.arange(width)[None, :]
-        assert cache.host is not None
-        for (name, _), buf in zip(model._kv_names, cache.host, strict=True):
-            feeds[name] = buf[rows_a, :, :past].copy()
-        want = model.session.run([spec.logits, *[p for _, p in model._kv_names]], feeds)
+        lengths, pasts = cache.lengths[rows_a].copy(), pasts_of(cache, rows_a)
         got = model.forward_rows(cache, rows_a, tokens, lens_a)
-        fed = np.arange(width)[None, :] < lens_a[:, None]
-        assert np.array_equal(got[fed], want[0][fed])
-        for buf, present in zip(cache.host, want[1:], strict=True):
-            for i, row in enumerate(rows_a):
-                n, start = int(lens_a[i]), int(lengths[i])
-                assert np.array_equal(buf[row, :, start:start + n], present[i, :, past:past + n])
-        assert np.array_equal(cache.lengths[rows_a], lengths + lens_a)
+        assert_equals_session_run(model, cache, rows_a, pasts, lengths, tokens, lens_a,
+                                  int(lengths.max()), got)
 
 
 def test_host_kv_run_allocates_no_cache_sized_arrays(concat_dir: Path) -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from specedge.runtime import kv_room
 from specedge.runtime.kv_room import ROOM_STEP, next_room, padded_past, restride, room_for
 from specedge.runtime.pair import Pair
+from tests.concat_reference import assert_equals_session_run, pasts_of
 
 
 @given(blocks=st.integers(0, 40), old=st.integers(1, 12), new=st.integers(1, 12),
@@ -69,7 +70,7 @@ def test_neighbouring_rows_run_on_the_cache_itself(target, monkeypatch) -> None:
     `session.run` computes fed those pasts padded to the room; rows out of order, or a lone row,
     are gathered as before. Before the room, every call gathered."""
     rng = np.random.default_rng(3)
-    spec, vocab = target.spec, target.logits_size
+    vocab = target.logits_size
     cache = target.new_cache(4, 200)
     for row, n in enumerate((70, 60, 75, 66)):
         target.feed_rows(cache, np.array([row]), rng.integers(3, vocab, (1, n)), np.array([n]))
@@ -86,29 +87,16 @@ def test_neighbouring_rows_run_on_the_cache_itself(target, monkeypatch) -> None:
                                      ([2, 0], [1, 1], 1, False),
                                      ([3], [3], 3, False)):
         rows_a, lens_a = np.array(rows), np.array(lens)
-        lengths = cache.lengths[rows_a].copy()
+        lengths, pasts = cache.lengths[rows_a].copy(), pasts_of(cache, rows_a)
         tokens = rng.integers(3, vocab, (len(rows), width))
-        pasts = [buf[rows_a].copy() for buf in cache.host]  # [rows, heads, room, dim] each
         room = cache.room
         gathers.clear()
         got = target.forward_rows(cache, rows_a, tokens, lens_a)
         assert ("pasts" not in gathers) == bound
         past = room if bound else int(lengths.max())
         assert not bound or past > lengths.max()  # padded with holes
-        at = np.arange(past + width)[None, :]
-        feeds = {spec.input_ids: tokens.astype(np.int64),
-                 spec.attention_mask: ((at < lengths[:, None]) | ((at >= past) & (
-                     at < past + lens_a[:, None]))).astype(np.int64),
-                 spec.position_ids: lengths[:, None] + np.arange(width)[None, :]}
-        for (name, _), buf in zip(target._kv_names, pasts, strict=True):
-            feeds[name] = np.ascontiguousarray(buf[:, :, :past])
-        want = target.session.run([spec.logits, *[p for _, p in target._kv_names]], feeds)
-        fed = np.arange(width)[None, :] < lens_a[:, None]
-        assert np.array_equal(got[fed], want[0][fed])
-        for buf, present in zip(cache.host, want[1:], strict=True):
-            for i, row in enumerate(rows_a):
-                n, start = int(lens_a[i]), int(lengths[i])
-                assert np.array_equal(buf[row, :, start:start + n], present[i, :, past:past + n])
+        assert_equals_session_run(target, cache, rows_a, pasts, lengths, tokens, lens_a, past,
+                                  got)
 
 
 def test_the_rows_survive_the_room_growing_and_shrinking(target) -> None:  # noqa: ANN001
