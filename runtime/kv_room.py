@@ -19,9 +19,10 @@ the holes masked), so:
 - a call of one row is never padded: a row alone (batch 1, a prompt's chunk) computes exactly
   what it always did;
 - only fp32 models pad (`pads`). There a hole moves a logit by rounding (~1e-5, as the holes of
-  the shorter rows of a batch always did). A model whose activations are quantized in the graph
-  turns such a rounding difference into ~0.6 logits (`docs/results/batch_invariance.md`), so it
-  keeps the gather, which leaves the longest row of a call without holes.
+  the shorter rows of a batch always did). An int4 or int8 model may quantize its activations in
+  the graph, which turns such a rounding difference into ~0.6 logits
+  (`docs/results/batch_invariance.md`), so the other precisions keep the gather, which leaves
+  the longest row of a call without holes.
 """
 
 from __future__ import annotations
