@@ -42,7 +42,7 @@ from .machine import (
     nvidia_pip_lib_dirs,
     provider_fix,
 )
-from .providers import PROVIDERS
+from .providers import PROVIDERS, onnxruntime_too_old
 
 SELFTEST_FILE = "data/selftest.onnx"
 SELFTEST_TIMEOUT_S = {"cpu": 30.0, "cuda": 90.0, "tensorrt": 180.0}
@@ -282,6 +282,9 @@ def diagnose(requested: Sequence[str] = ("cpu",), *, self_test: bool = True,
         warnings.append(f"several onnxruntime packages share one module ({', '.join(packages)}); "
                         "the last installed wins: pip uninstall -y onnxruntime onnxruntime-gpu, "
                         "then install only the one you need")
+    too_old = onnxruntime_too_old(ort.__version__)
+    if too_old:
+        warnings.append(too_old)
     if ort_cuda and driver_api and float(driver_api) < float(f"{major}.0"):
         warnings.append(f"the driver supports CUDA {driver_api} but onnxruntime is built for "
                         f"CUDA {ort_cuda}: update the NVIDIA driver")

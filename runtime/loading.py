@@ -13,7 +13,7 @@ from .backend import OrtModel
 from .engines import EngineChoice, choose_engine, machine_key
 from .errors import InputError, ModelError
 from .manifest import ModelSpec, PairManifest, engine_files_ready
-from .sessions import SessionConfig, physical_cores
+from .sessions import SessionConfig, global_pool_supported, physical_cores
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,9 @@ def plan_threads(target_provider: str = "cpu", draft_provider: str = "cpu",
     The draft and the target run one after the other, never together. Two sessions with their
     own spinning pools fight (two spinning 2-thread sessions on 2 cores made speculative
     decoding 0.6x of target only); so by default both CPU models share ONNX Runtime's global
-    thread pool (all cores, spinning). With explicit thread counts, each session gets its own
-    pool and only the target spins. A model on a GPU gets one host thread.
+    thread pool (all cores, spinning). With explicit thread counts, or an onnxruntime older
+    than 1.23 (which cannot make that pool from Python), each session gets its own pool and
+    only the target spins. A model on a GPU gets one host thread.
     """
     cores = cores or physical_cores()
 
@@ -45,7 +46,8 @@ def plan_threads(target_provider: str = "cpu", draft_provider: str = "cpu",
         return SessionConfig(provider="cpu", intra_op_threads=threads or default,
                              allow_spinning=spin)
 
-    if target_provider == draft_provider == "cpu" and not (target_threads or draft_threads):
+    if target_provider == draft_provider == "cpu" and not (target_threads or draft_threads) \
+            and global_pool_supported():
         # Measured on 2 cores (docs/results/thread_plan.md): one process-wide pool of `cores`
         # spinning threads shared by both sessions beat every per-session split, because the
         # draft and the target take turns and each gets every core with no wake-up latency.

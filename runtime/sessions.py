@@ -22,7 +22,7 @@ import onnxruntime as ort
 
 from .errors import InputError, ModelError
 from .manifest import ModelSpec
-from .providers import PROVIDERS
+from .providers import PROVIDERS, onnxruntime_too_old
 
 NP_DTYPES: dict[str, type[np.generic]] = {"float32": np.float32, "float16": np.float16}
 THREADS_PER_CORE = 4  # more intra-op threads than this per core only adds contention
@@ -161,12 +161,28 @@ def global_pool_active() -> bool:
     return _global_pool_threads is not None
 
 
+def global_pool_supported() -> bool:
+    """Whether this onnxruntime can create the process-wide thread pool from Python (its
+    `set_global_thread_pool_sizes` came in 1.23; Jetson wheels and Python 3.10 installs are
+    often older)."""
+    from onnxruntime.capi import _pybind_state
+
+    return hasattr(_pybind_state, "set_global_thread_pool_sizes")
+
+
 def _ensure_global_pool(threads: int) -> int:
-    """Create the process-wide intra-op pool once (later calls reuse it, whatever they ask)."""
+    """Create the process-wide intra-op pool once (later calls reuse it, whatever they ask).
+
+    Raises:
+        InputError: this onnxruntime cannot make one (`global_pool_supported`)."""
     global _global_pool_threads
     if _global_pool_threads is None:
         from onnxruntime.capi import _pybind_state
 
+        if not global_pool_supported():
+            raise InputError(
+                f"the shared thread pool needs onnxruntime >= 1.23 (this is {ort.__version__}); "
+                "upgrade onnxruntime, or give each session its own threads (shared_pool=False)")
         _pybind_state.set_global_thread_pool_sizes(threads or physical_cores(), 1)
         _global_pool_threads = threads or physical_cores()
     return _global_pool_threads
@@ -288,6 +304,7 @@ def start_session(path: Path, config: SessionConfig, what: str, fix: str) -> ort
     """
     chain = provider_chain(config)
     options = session_options(config)
+    fix = onnxruntime_too_old(ort.__version__) or fix  # the likelier cause, then
     reason = ""
     try:
         session = ort.InferenceSession(str(path), options, providers=chain, enable_fallback=0)

@@ -34,6 +34,7 @@ import onnxruntime as ort
 
 from .errors import ModelError
 from .manifest import HeadSpec
+from .providers import onnxruntime_too_old
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ class SplitHead:
             self.shortlist = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-            raise ModelError(f"{path}: the split head could not load ({first}); re-export "
-                             "the pair, or run `specedge split-head --force` on it") from None
+            fix = onnxruntime_too_old(ort.__version__) or \
+                "re-export the pair, or run `specedge split-head --force` on it"
+            raise ModelError(f"{path}: the split head could not load ({first}); {fix}") from None
         self.dtype = np.float16 if "16" in self.full.get_inputs()[0].type else np.float32
         self.max_rows = MAX_ROWS
 

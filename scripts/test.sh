@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Tests on a fresh machine, in two environments:
+# Tests on a fresh machine, in three environments:
 #   1. .venv (runtime + [export] + [dev], torch pinned): lint, types, the exporter tests, and the
 #      pair folders the runtime tests read (tiny fixtures + the offline reference pair, cached).
 #   2. .venv-runtime (runtime + [dev] only, NO torch): every runtime test, on those folders.
+#   3. .venv-oldest: the runtime tests again on Python 3.10 (JetPack 6's) with the lowest
+#      version of each dependency that pyproject.toml allows (uv's lowest-direct resolution),
+#      so its floors stay true. Skipped, saying so, where no Python 3.10 is found
+#      (SPECEDGE_PY310=/path/to/python3.10 names one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -31,3 +35,23 @@ if .venv-runtime/bin/python -c "import torch" 2>/dev/null; then
   echo "error: torch is importable in the runtime test environment" >&2; exit 1
 fi
 .venv-runtime/bin/python -m pytest -q -m "not export" tests
+
+PY310=${SPECEDGE_PY310:-}
+if [ -z "$PY310" ]; then
+  for candidate in python3.10 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10.*/bin/python; do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 10)' 2>/dev/null; then
+      PY310=$candidate
+    fi
+  done
+fi
+if [ -z "$PY310" ]; then
+  echo "skipped: the oldest-versions runtime tests (no Python 3.10; set SPECEDGE_PY310)"
+  exit 0
+fi
+[ -x .venv-oldest/bin/python ] || "$PY310" -m venv .venv-oldest
+.venv-oldest/bin/pip install -q --upgrade pip uv
+.venv-oldest/bin/uv pip install -q --python .venv-oldest/bin/python --resolution lowest-direct \
+  -e ".[dev]"
+.venv-oldest/bin/python -c "import onnxruntime, sys; print('oldest:', sys.version.split()[0], \
+  'onnxruntime', onnxruntime.__version__)"
+.venv-oldest/bin/python -m pytest -q -m "not export" tests

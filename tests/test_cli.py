@@ -301,7 +301,8 @@ def test_bad_choice_is_a_usage_error(runner: CliRunner, tiny_pair_dir: Path) -> 
 
 @pytest.mark.parametrize(("args", "message"), [
     (("generate",), "Missing argument 'PAIR'"),
-    (("generate", "p", "--k", "2"), "No such option '--k'. Did you mean '--top-k'?"),
+    # click < 8.3 words it "No such option: --k Did you mean --top-k?"
+    (("generate", "p", "--k", "2"), "No such option"),
     (("bench", "p", "--ks", "two"), "Invalid value for '--ks'"),
     (("nosuch",), "No such command 'nosuch'"),
 ])
@@ -309,6 +310,8 @@ def test_usage_errors_are_one_line(runner: CliRunner, args: tuple[str, ...], mes
     result = invoke(runner, *args)
     assert_clean_error(result, message)
     assert result.exit_code == 2
+    if "--k" in args:
+        assert all(part in result.output for part in ("--k", "Did you mean", "--top-k"))
 
 
 def test_no_arguments_still_prints_help(runner: CliRunner) -> None:
