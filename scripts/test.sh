@@ -54,4 +54,4 @@ fi
   -e ".[dev]"
 .venv-oldest/bin/python -c "import onnxruntime, sys; print('oldest:', sys.version.split()[0], \
   'onnxruntime', onnxruntime.__version__)"
-.venv-oldest/bin/python -m pytest -q -m "not export" tests
+.venv-oldest/bin/python -m pytest -q -rs -m "not export" tests  # -rs: why each skip
