@@ -74,7 +74,8 @@ def test_other_choices_come_from_their_modules() -> None:
 def _install_copy(site: Path) -> None:
     """Lay the package out as an installation does: the modules and the declared package data,
     nothing else of the source tree."""
-    tomllib = pytest.importorskip("tomllib")
+    # Python 3.10 has no tomllib; pytest brings its backport there
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     for package in config["packages"]:
         src = ROOT / config["package-dir"][package]
