@@ -46,6 +46,7 @@ from .greedy_head import GreedyHead
 from .kvcache import MAX_FIXED_WIDTH, FixedBuffers, KVCache
 from .manifest import ModelSpec
 from .model_checks import check_external_data, check_io, load_input_id_map, load_vocab_ids
+from .providers import fusions_to_skip
 from .rowprobe import RowProbe
 from .sessions import (
     NO_GRAPH_OPTIONS,
@@ -101,7 +102,8 @@ class OrtModel(BatchRows):
         if problem is not None and problem[0]:
             raise InputError(problem[1])
         self.session = start_session(path, config, f"the {name} model",
-                                     "the file may be truncated or corrupt: re-export the pair")
+                                     "the file may be truncated or corrupt: re-export the pair",
+                                     fusions_to_skip(spec.precision, ort.__version__))
         if problem is not None:  # after the start: where CUDA does not start, that error alone
             log.warning("%s", problem[1])
         if config.fixed and spec.graph != "gqa-shared":

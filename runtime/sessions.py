@@ -289,8 +289,10 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"^\S+\.(?:cc|cpp|h):\d+ .*?\) ", "", line)[:300]
 
 
-def start_session(path: Path, config: SessionConfig, what: str, fix: str) -> ort.InferenceSession:
-    """An ONNX Runtime session of the graph at `path` for `what` on `config`'s provider.
+def start_session(path: Path, config: SessionConfig, what: str, fix: str,
+                  skip: Sequence[str] = ()) -> ort.InferenceSession:
+    """An ONNX Runtime session of the graph at `path` for `what` on `config`'s provider, without
+    the graph optimizers named in `skip` (`providers.fusions_to_skip`).
 
     ONNX Runtime's own fallback is off (it prints a banner to stdout and retries on other
     providers); when a GPU provider fails to start, the rest of the provider chain is tried to
@@ -306,8 +308,10 @@ def start_session(path: Path, config: SessionConfig, what: str, fix: str) -> ort
     options = session_options(config)
     fix = onnxruntime_too_old(ort.__version__) or fix  # the likelier cause, then
     reason = ""
+    extra: dict[str, Any] = {"disabled_optimizers": list(skip)} if skip else {}
     try:
-        session = ort.InferenceSession(str(path), options, providers=chain, enable_fallback=0)
+        session = ort.InferenceSession(str(path), options, providers=chain, enable_fallback=0,
+                                       **extra)
     except Exception as exc:  # onnxruntime raises its own exception types
         if len(chain) == 1:
             raise ModelError(f"{path}: ONNX Runtime could not load {what} ({_first_line(exc)}); "
@@ -315,7 +319,7 @@ def start_session(path: Path, config: SessionConfig, what: str, fix: str) -> ort
         reason = _first_line(exc)
         try:
             session = ort.InferenceSession(str(path), options, providers=chain[1:],
-                                           enable_fallback=0)
+                                           enable_fallback=0, **extra)
         except Exception:  # the file itself, then: say what the first try said
             raise ModelError(f"{path}: ONNX Runtime could not load {what} ({reason}); {fix}"
                              ) from None

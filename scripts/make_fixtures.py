@@ -5,11 +5,12 @@ Writes OUT_DIR/tiny-llama (fp32 target + int4 self-draft), OUT_DIR/tiny-llama-in
 (fp32 target + int8 self-draft), OUT_DIR/tiny-llama-concat (fp32 target + int4 self-draft, both
 in the concat graph form, for batched speculative decoding), OUT_DIR/tiny-llama-mixed (its
 target concat, its draft gqa-shared), OUT_DIR/tiny-llama-std (tiny-llama-concat in the
-standard-op concat form of the torch export, which TensorRT takes) and
-OUT_DIR/tiny-llama-int8static (its target quantized with calibrated static int8 QDQ by
-`specedge quantize`) and OUT_DIR/tiny-llama-split (tiny-llama with its target's head split off,
-as `export` does for heads of a MiB or more). Pairs already in OUT_DIR are kept. Needs the
-[export] extra (torch); the runtime tests that read these folders do not.
+standard-op concat form of the torch export, which TensorRT takes),
+OUT_DIR/tiny-llama-int8static and OUT_DIR/tiny-llama-fp8 (its target quantized by `specedge
+quantize` with calibrated static int8 QDQ, and with fp8 E4M3 QDQ) and OUT_DIR/tiny-llama-split
+(tiny-llama with its target's head split off, as `export` does for heads of a MiB or more).
+Pairs already in OUT_DIR are kept. Needs the [export] extra (torch); the runtime tests that
+read these folders do not.
 """
 
 from __future__ import annotations
@@ -43,17 +44,18 @@ def main(out: Path) -> None:
                                       draft_precision=draft_precision, graph=graph,
                                       draft_graph=draft_graph, force=True))
             print(f"wrote {out / name}")
-        # A calibrated static-int8 target (for the torch-free runtime tests of quantized pairs).
-        quantized = out / "tiny-llama-int8static"
-        if not (quantized / "specedge.json").is_file():
-            from specedge.calibration.data import CalibrationOptions
-            from specedge.calibration.quantize import QuantizeOptions, quantize
+        # Calibrated static-int8 and fp8 targets (for the torch-free runtime tests of quantized
+        # pairs: onnxruntime before 1.32 loads fp8 QDQ only without its QDQ fusion).
+        for method, name in (("int8-minmax", "tiny-llama-int8static"), ("fp8", "tiny-llama-fp8")):
+            if not (out / name / "specedge.json").is_file():
+                from specedge.calibration.data import CalibrationOptions
+                from specedge.calibration.quantize import QuantizeOptions, quantize
 
-            quantize(QuantizeOptions(pair=out / "tiny-llama", output=quantized,
-                                     method="int8-minmax",
-                                     calibration=CalibrationOptions(samples=4), force=True),
-                     say=lambda _msg: None)
-            print(f"wrote {quantized}")
+                quantize(QuantizeOptions(pair=out / "tiny-llama", output=out / name,
+                                         method=method,
+                                         calibration=CalibrationOptions(samples=4), force=True),
+                         say=lambda _msg: None)
+                print(f"wrote {out / name}")
         # The split head (`runtime/shortlist.py`) on a tiny model: its head is far below the
         # size export splits, so split it here.
         split = out / "tiny-llama-split"

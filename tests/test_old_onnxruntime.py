@@ -2,7 +2,8 @@
 process-wide thread pool (`set_global_thread_pool_sizes` came in 1.23): Jetson wheels and
 Python 3.10 installs are often older. The default thread plan then gives each session its own
 pool instead of ending in an AttributeError at `Pair.load`. Older still (1.20-1.22) cannot load
-the builder's graphs; a model that fails to load then names the version to upgrade."""
+the builder's graphs; a model that fails to load then names the version to upgrade. Before 1.32
+an fp8 pair loads only without the QDQ fusion (tests/test_prompt_kv.py decodes one exactly)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from specedge.runtime import loading, sessions
 from specedge.runtime.doctor import diagnose
 from specedge.runtime.errors import InputError, ModelError
 from specedge.runtime.pair import plan_threads
-from specedge.runtime.providers import onnxruntime_too_old
+from specedge.runtime.providers import QDQ_FUSION, fusions_to_skip, onnxruntime_too_old
 
 WITHOUT_GLOBAL_POOL = r'''
 from onnxruntime.capi import _pybind_state
@@ -68,6 +69,15 @@ def test_which_versions_are_too_old(version: str, old: bool) -> None:
     assert (said is not None) == old
     if said:
         assert said.startswith(f"onnxruntime {version} is older than 1.23") and "\n" not in said
+
+
+@pytest.mark.parametrize(("precision", "version", "skipped"), [
+    ("fp8", "1.23.0", True), ("fp8", "1.31.1", True), ("fp8", "1.20.0+cu126", True),
+    ("fp8", "1.32.0", False), ("fp8", "2.0.0", False), ("fp8", "unknown", False),
+    ("int8", "1.23.0", False), ("fp32", "1.31.1", False), ("int4", "1.23.0", False)])
+def test_which_models_load_without_the_qdq_fusion(precision: str, version: str,
+                                                  skipped: bool) -> None:
+    assert fusions_to_skip(precision, version) == ((QDQ_FUSION,) if skipped else ())
 
 
 def test_a_model_that_fails_to_load_on_an_old_onnxruntime_says_so(

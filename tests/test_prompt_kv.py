@@ -55,7 +55,7 @@ def test_only_a_self_draft_shares(tiny_pair: Pair) -> None:
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-concat", "tiny-llama-mixed",
-                                  "tiny-llama-int8static"])
+                                  "tiny-llama-int8static", "tiny-llama-fp8"])
 def test_shared_prompt_keys_and_values_change_no_token(fixtures_dir: Path, name: str) -> None:
     """Greedy and seeded, model and hybrid drafting, cold and with a reused prefix: the output
     equals target-only decoding whether the draft prefills or takes the target's prompt."""
