@@ -177,6 +177,7 @@ def quantize_model(settings: QuantSettings, src: Path, dst: Path,
             model16 = convert_float_to_float16(
                 onnx.load(str(src)), keep_io_types=True, op_block_list=list(FP16_BLOCK_LIST),
                 node_block_list=exclude, disable_shape_infer=True)
+            drop_duplicate_nodes(model16.graph)
             onnx.save(model16, str(dst), save_as_external_data=True,
                       location=dst.name + ".data")
             return
@@ -233,6 +234,23 @@ def quantize_model(settings: QuantSettings, src: Path, dst: Path,
     except Exception as exc:  # the quantizers raise plain exceptions
         msg = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
         raise ExportError(f"{src}: {method} quantization failed ({msg})") from None
+
+
+def drop_duplicate_nodes(graph: Any) -> int:
+    """Remove the nodes of an ONNX `graph` that repeat an earlier node exactly (name, op, inputs,
+    outputs, attributes); returns how many went. onnxruntime's float16 converter before 1.32
+    writes one Cast back to fp32 per blocked consumer of a value, all alike, and ONNX Runtime
+    refuses a graph with two producers of a name ("two nodes with same node name")."""
+    seen: set[bytes] = set()
+    repeats = []
+    for i, node in enumerate(graph.node):
+        key = node.SerializeToString(deterministic=True)
+        if key in seen:
+            repeats.append(i)
+        seen.add(key)
+    for i in reversed(repeats):  # by index, last first: the first of each stays where it was
+        del graph.node[i]
+    return len(repeats)
 
 
 def quantize_embedding(model: Any, block_size: int) -> bool:

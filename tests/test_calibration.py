@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from specedge.calibration import data
@@ -99,6 +100,40 @@ def test_quantize_writes_a_valid_pair_with_a_report(tiny_pair_dir: Path, tmp_pat
     pair = Pair.load(out)
     assert len(pair.generate("The quick", GenerationConfig(max_new_tokens=6)).tokens) == 6
     assert load_manifest(tiny_pair_dir).target.precision == "fp32"  # source untouched
+
+
+@needs_onnx
+@pytest.mark.export
+def test_repeated_nodes_are_dropped_and_the_graph_loads(tmp_path: Path) -> None:
+    """onnxruntime's float16 converter before 1.32 writes two identical Casts of one value (the
+    fp16 row above failed so on 1.31: "two nodes with same node name"); the first one stays."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from specedge.exporter.quantize import drop_duplicate_nodes
+    from specedge.runtime.sessions import SessionConfig, session_options
+
+    cast = helper.make_node("Cast", ["x"], ["x32"], name="x_cast", to=TensorProto.FLOAT)
+    other = helper.make_node("Cast", ["x"], ["x64"], name="x_cast64", to=TensorProto.DOUBLE)
+    nodes = [cast, helper.make_node("Relu", ["x32"], ["a"], name="relu"), cast,
+             helper.make_node("Neg", ["x32"], ["b"], name="neg"), other]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("a", "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    options = session_options(SessionConfig())  # the shared pool, where an earlier test made it
+    with pytest.raises(Exception, match="same node name"):
+        ort.InferenceSession(model.SerializeToString(), options,
+                             providers=["CPUExecutionProvider"])
+    assert drop_duplicate_nodes(model.graph) == 1
+    assert [n.name for n in model.graph.node] == ["x_cast", "relu", "neg", "x_cast64"]
+    assert drop_duplicate_nodes(model.graph) == 0
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    a, b = session.run(None, {"x": np.array([-1.5, 2.0], np.float16)})
+    assert a.tolist() == [0.0, 2.0] and b.tolist() == [1.5, -2.0]
 
 
 @needs_onnx
