@@ -35,27 +35,28 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import gpu_check as gc  # noqa: E402
+import gpu_batch  # noqa: E402
+import gpu_plan as gp  # noqa: E402
 
 PROMPTS = 4  # per setting in `rounds` and `profile`
 
 
-def reference(plan: gc.Plan) -> gc.PairInfo:
-    return gc.pairs(plan)[0]
+def reference(plan: gp.Plan) -> gp.PairInfo:
+    return gp.pairs(plan)[0]
 
 
-def concat_reference(plan: gc.Plan) -> gc.PairInfo:
-    return gc.batch_pairs(plan)[0]
+def concat_reference(plan: gp.Plan) -> gp.PairInfo:
+    return gpu_batch.batch_pairs(plan)[0]
 
 
-def random_pair(plan: gc.Plan) -> gc.PairInfo:
-    return gc.pairs(plan)[1]
+def random_pair(plan: gp.Plan) -> gp.PairInfo:
+    return gp.pairs(plan)[1]
 
 
-def need(plan: gc.Plan, info: gc.PairInfo, name: str) -> bool:
-    if gc.wait_for(info.folder, plan, reserve=10):
+def need(plan: gp.Plan, info: gp.PairInfo, name: str) -> bool:
+    if gp.wait_for(info.folder, plan, reserve=10):
         return True
-    gc.write_part(plan, f"diag-{name}", {"error": f"{info.folder} was not built"})
+    gp.write_part(plan, f"diag-{name}", {"error": f"{info.folder} was not built"})
     print(f"diag {name}: {info.folder} was not built")
     return False
 
@@ -72,7 +73,7 @@ def greedy(new: int, k: int | None, adaptive: bool = False) -> Any:
 # ----------------------------------------------------------------------------- profile
 
 
-def phase_profile(plan: gc.Plan) -> None:
+def phase_profile(plan: gp.Plan) -> None:
     from specedge.runtime import sessions
 
     prof_dir = plan.work / "profiles"
@@ -90,12 +91,12 @@ def phase_profile(plan: gc.Plan) -> None:
     for label, info, cfg in (("gqa-shared fp16, K=3", reference(plan), greedy(32, 3)),
                              ("concat fp32, device KV, target-only", concat_reference(plan),
                               greedy(32, None))):
-        if plan.left() < 15 or not gc.ready(info.folder):
+        if plan.left() < 15 or not gp.ready(info.folder):
             result[label] = {"error": "not built or no time left"}
             continue
         try:
-            pair = gc.load_variant(info.folder, plan, {})
-            ids = gc.prompt_ids(info, 2)
+            pair = gp.load_variant(info.folder, plan, {})
+            ids = gp.prompt_ids(info, 2)
             for prompt in ids:
                 pair.generate_ids(prompt, cfg)
             models = {"target": pair.target, "draft": pair.draft if cfg.drafter != "none"
@@ -104,7 +105,7 @@ def phase_profile(plan: gc.Plan) -> None:
                              for name, m in models.items() if m is not None}
         except Exception as exc:  # reported, the other pair still runs
             result[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        gc.write_part(plan, "diag-profile", result)
+        gp.write_part(plan, "diag-profile", result)
     sessions.session_options = plain  # type: ignore[assignment]
     for label, models in result.items():
         for name, s in models.items():
@@ -168,15 +169,15 @@ def instrument(pair: Any) -> list[tuple[str, str, int, float]]:
     return calls
 
 
-def phase_rounds(plan: gc.Plan) -> None:
+def phase_rounds(plan: gp.Plan) -> None:
     info = reference(plan)
     if not need(plan, info, "rounds"):
         return
-    ids = gc.prompt_ids(info, PROMPTS)
+    ids = gp.prompt_ids(info, PROMPTS)
     variant = "cuda graphs" if plan.provider == "cuda" else "fixed buffers"
     result: dict[str, Any] = {"pair": str(info.folder)}
-    for vlabel, fields in (("plain runs", {}), (variant, gc.variants(plan)[variant])):
-        pair = gc.load_variant(info.folder, plan, fields)
+    for vlabel, fields in (("plain runs", {}), (variant, gp.variants(plan)[variant])):
+        pair = gp.load_variant(info.folder, plan, fields)
         calls = instrument(pair)
         for klabel, k in (("target-only", None), ("K=1", 1), ("K=3", 3)):
             if plan.left() < 10:
@@ -208,14 +209,14 @@ def phase_rounds(plan: gc.Plan) -> None:
                   f"{r['untimed_ms_per_round']:.2f}; " + "; ".join(
                       f"{key} x{c['count']} {c['mean_ms']:.2f} ms"
                       for key, c in r["calls"].items()))
-            gc.write_part(plan, "diag-rounds", result)
+            gp.write_part(plan, "diag-rounds", result)
         del pair
 
 
 # ----------------------------------------------------------------------------- exact
 
 
-def phase_exact(plan: gc.Plan) -> None:
+def phase_exact(plan: gp.Plan) -> None:
     import numpy as np
 
     from specedge.runtime.kvcache import KVCache
@@ -245,8 +246,8 @@ def phase_exact(plan: gc.Plan) -> None:
                                       "block": float(np.abs(two - three).max()),
                                       "scale": float(np.abs(two).max())}
     print(f"exact: probe {json.dumps(result['probe'])}")
-    gc.write_part(plan, "diag-exact", result)
-    ids = gc.prompt_ids(info, plan.check_prompts)
+    gp.write_part(plan, "diag-exact", result)
+    ids = gp.prompt_ids(info, plan.check_prompts)
     reference_out: list[list[int]] = []
     for two_rows in (False, True):
         if plan.left() < 15:
@@ -275,25 +276,25 @@ def phase_exact(plan: gc.Plan) -> None:
         if two_rows:
             result[key]["target-only == one-row target-only"] = same_as_one_row
         print(f"exact: {key}: {json.dumps(result[key])}")
-        gc.write_part(plan, "diag-exact", result)
+        gp.write_part(plan, "diag-exact", result)
 
 
 # ----------------------------------------------------------------------------- tf32
 
 
-def phase_tf32(plan: gc.Plan) -> None:
+def phase_tf32(plan: gp.Plan) -> None:
     info = concat_reference(plan)
     if not need(plan, info, "tf32"):
         return
     batch = 8 if not plan.smoke else 4
-    ids = gc.prompt_ids(info, batch)
+    ids = gp.prompt_ids(info, batch)
     new = plan.batch_new
     result: dict[str, Any] = {"pair": str(info.folder), "batch": batch}
     for label, tf32 in (("tf32 off", False), ("tf32 on", True)):
         if plan.left() < 15:
             break
         try:
-            pair = gc.load_variant(info.folder, plan, {"device_kv": True, "tf32": tf32})
+            pair = gp.load_variant(info.folder, plan, {"device_kv": True, "tf32": tf32})
         except Exception as exc:  # e.g. an onnxruntime that does not take the option
             result[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             continue
@@ -301,21 +302,21 @@ def phase_tf32(plan: gc.Plan) -> None:
         row: dict[str, Any] = {}
         for klabel, cfg in (("target-only", greedy(new, None)), ("K=2", greedy(new, 2)),
                             ("K=4", greedy(new, 4)), ("adaptive", greedy(new, 4, True))):
-            gc.run_batch(pair, ids[:2], cfg)  # warm-up
-            outs, st = gc.run_batch(pair, ids, cfg)
+            gpu_batch.run_batch(pair, ids[:2], cfg)  # warm-up
+            outs, st = gpu_batch.run_batch(pair, ids, cfg)
             row[klabel] = {"equal_to_batch1": sum(o == a for o, a in zip(outs, alone,
                                                                          strict=True)),
                            "tokens_per_s": st.tokens_per_s}
         result[label] = row
         print(f"tf32: {label}: {json.dumps(row)}")
-        gc.write_part(plan, "diag-tf32", result)
+        gp.write_part(plan, "diag-tf32", result)
         del pair
 
 
 # ----------------------------------------------------------------------------- nan
 
 
-def phase_nan(plan: gc.Plan) -> None:
+def phase_nan(plan: gp.Plan) -> None:
     import numpy as np
 
     from specedge.runtime.backend import _host
@@ -326,7 +327,7 @@ def phase_nan(plan: gc.Plan) -> None:
         return
     result: dict[str, Any] = {"pair": str(info.folder)}
     pair = Pair.load(info.folder, providers=plan.provider, verify_hashes=False)
-    prompt = gc.prompt_ids(info, 1)[0][:16]
+    prompt = gp.prompt_ids(info, 1)[0][:16]
     for name, model in (("target", pair.target), ("draft", pair.draft)):
         if model is None:
             continue
@@ -351,14 +352,14 @@ def phase_nan(plan: gc.Plan) -> None:
         except Exception as exc:  # the point of the phase: say which and why
             runs[label] = f"{type(exc).__name__}: {str(exc)[:200]}"
     result["generations"] = runs
-    gc.write_part(plan, "diag-nan", result)
+    gp.write_part(plan, "diag-nan", result)
     print(f"nan: {json.dumps(result)[:1500]}")
 
 
 # ----------------------------------------------------------------------------- report
 
 
-def report(plan: gc.Plan) -> None:
+def report(plan: gp.Plan) -> None:
     """OUT/gpu_diag.json (every part) and OUT/gpu_diag.md (the same, readable)."""
     parts = {p.stem.removeprefix("diag-"): json.loads(p.read_text())
              for p in sorted(plan.parts.glob("diag-*.json"))}
@@ -384,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=None, help="epoch seconds")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
-    plan = gc.make_plan(args)
+    plan = gp.make_plan(args)
     phases = {"profile": phase_profile, "rounds": phase_rounds, "exact": phase_exact,
               "tf32": phase_tf32, "nan": phase_nan, "report": report}
     phases[args.phase](plan)

@@ -1,7 +1,7 @@
 """What a CPU can show of the GPU check before a GPU session (docs/results/gpu_preview_cpu.md).
 
     python benchmarks/gpu_preview.py exports [--work DIR] [PAIR ...]
-        run the GPU check's own export commands (`gpu_check.export_jobs`, GPU mode) one by one
+        run the GPU check's own export commands (`gpu_build.export_jobs`, GPU mode) one by one
         and print each one's exit code, wall time and peak RSS
     python benchmarks/gpu_preview.py agreement [--work DIR] [--prompts N] [--new N]
         the bar "CUDA vs CPU top-1 agreement >= 99%" with the fp16 reference file on the CPU
@@ -23,30 +23,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gpu_check  # noqa: E402
+import gpu_build  # noqa: E402
+import gpu_plan  # noqa: E402
 
 
-def plan_for(work: Path) -> gpu_check.Plan:
+def plan_for(work: Path) -> gpu_plan.Plan:
     args = argparse.Namespace(cpu_smoke=False, work=work, out=work / "out",
                               deadline=time.time() + 24 * 3600)
-    return gpu_check.make_plan(args)
+    return gpu_plan.make_plan(args)
 
 
 def exports(work: Path, only: list[str]) -> None:
     plan = plan_for(work)
     status: dict = {"notes": []}
     made: dict[str, bool] = {}
-    for name, _out, sources, argv in gpu_check.export_jobs(plan):
+    for name, _out, sources, argv in gpu_build.export_jobs(plan):
         if only and name not in only:
             continue
         for src in sources:
             if src not in made:
                 t0 = time.perf_counter()
-                made[src] = gpu_check.make_source(plan, src, status)
+                made[src] = gpu_build.make_source(plan, src, status)
                 print(f"source {src}: {made[src]} in {time.perf_counter() - t0:.0f} s", flush=True)
         t0 = time.perf_counter()
         run = subprocess.run(["/usr/bin/time", "-v", *argv], capture_output=True, text=True,
-                             cwd=gpu_check.ROOT,
+                             cwd=gpu_plan.ROOT,
                              env=dict(os.environ, PYTHON=sys.executable, TQDM_DISABLE="1"))
         peak = next((line.split(":")[-1].strip() for line in run.stderr.splitlines()
                      if "Maximum resident" in line), "?")
@@ -64,9 +65,9 @@ def agreement(work: Path, prompts: int, new: int) -> None:
 
     from specedge.runtime.pair import GenerationConfig, Pair
 
-    info = gpu_check.pairs(plan_for(work))[0]  # the reference pair: fp16 (GPU) and fp32
+    info = gpu_plan.pairs(plan_for(work))[0]  # the reference pair: fp16 (GPU) and fp32
     assert info.cpu_folder is not None
-    ids = gpu_check.prompt_ids(info, prompts)
+    ids = gpu_plan.prompt_ids(info, prompts)
     fp16 = Pair.load(info.folder, load_draft=False)  # on the CPU provider
     fp32 = Pair.load(info.cpu_folder, load_draft=False)
     cfg = GenerationConfig(max_new_tokens=new, drafter="none")
@@ -76,7 +77,7 @@ def agreement(work: Path, prompts: int, new: int) -> None:
         out = fp16.generate_ids(prompt, cfg)[0]
         equal += out == fp32.generate_ids(prompt, cfg)[0]
         seq, start = prompt + out, len(prompt) - 1
-        a, b = gpu_check.all_logits(fp16, seq)[start:], gpu_check.all_logits(fp32, seq)[start:]
+        a, b = gpu_plan.all_logits(fp16, seq)[start:], gpu_plan.all_logits(fp32, seq)[start:]
         same += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += len(a)
         worst = max(worst, float(np.abs(a - b).max()))

@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def gpu_check() -> ModuleType:
+def gpu_plan() -> ModuleType:
     saved = list(sys.path)  # the script puts benchmarks/ on the path for its own imports
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "benchmarks/gpu_plan.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses resolve their annotations there
+    sys.modules["gpu_plan"] = module  # its dataclasses resolve their annotations there
     try:
         spec.loader.exec_module(module)
     finally:
@@ -36,8 +36,8 @@ def gpu_check() -> ModuleType:
     return module
 
 
-def _plan(gpu_check: ModuleType, work: Path, seconds: float) -> object:
-    return gpu_check.Plan(True, work, work / "out", time.time() + seconds, "cpu", 4, 16, 2, 16, 1,
+def _plan(gpu_plan: ModuleType, work: Path, seconds: float) -> object:
+    return gpu_plan.Plan(True, work, work / "out", time.time() + seconds, "cpu", 4, 16, 2, 16, 1,
                           (1, 3), (2,), (1, 2), (2,), 16)
 
 
@@ -47,24 +47,24 @@ def _status(work: Path, entry: dict) -> Path:
     return work / "pairs" / "ref-cuda"
 
 
-def test_a_failed_export_is_not_waited_for(gpu_check: ModuleType, tmp_path: Path) -> None:
+def test_a_failed_export_is_not_waited_for(gpu_plan: ModuleType, tmp_path: Path) -> None:
     folder = _status(tmp_path, {"ok": False, "error": "its source model is missing"})
     start = time.monotonic()
-    assert not gpu_check.wait_for(folder, _plan(gpu_check, tmp_path, 30), reserve=0)
+    assert not gpu_plan.wait_for(folder, _plan(gpu_plan, tmp_path, 30), reserve=0)
     assert time.monotonic() - start < 5
 
 
-def test_a_background_export_that_died_is_not_waited_for(gpu_check: ModuleType,
+def test_a_background_export_that_died_is_not_waited_for(gpu_plan: ModuleType,
                                                          tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     folder = _status(tmp_path, {"ok": None, "pid": proc.pid})
     start = time.monotonic()
-    assert not gpu_check.wait_for(folder, _plan(gpu_check, tmp_path, 30), reserve=0)
+    assert not gpu_plan.wait_for(folder, _plan(gpu_plan, tmp_path, 30), reserve=0)
     assert time.monotonic() - start < 5
 
 
-def test_a_running_export_is_waited_for_until_it_lands(gpu_check: ModuleType,
+def test_a_running_export_is_waited_for_until_it_lands(gpu_plan: ModuleType,
                                                        tmp_path: Path) -> None:
     folder = tmp_path / "pairs" / "ref-cuda"
     code = ("import pathlib, sys, time; time.sleep(3); p = pathlib.Path(sys.argv[1]); "
@@ -72,6 +72,6 @@ def test_a_running_export_is_waited_for_until_it_lands(gpu_check: ModuleType,
     proc = subprocess.Popen([sys.executable, "-c", code, str(folder)])
     _status(tmp_path, {"ok": None, "pid": proc.pid})
     try:
-        assert gpu_check.wait_for(folder, _plan(gpu_check, tmp_path, 60), reserve=0)
+        assert gpu_plan.wait_for(folder, _plan(gpu_plan, tmp_path, 60), reserve=0)
     finally:
         proc.wait()
