@@ -172,8 +172,13 @@ def gguf_to_folder(gguf: Path, out: Path, *, weights: bool = True) -> Path:
         else:
             config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except ImportError as exc:  # transformers' own check: gguf (or torch) missing or too old
+        raise ExportError(
+            f"{gguf}: reading a GGUF file needs a package that is missing or too old "
+            f"({_first_line(exc)}); run: pip install -U 'specedge[export]'"
+        ) from None
     except Exception as exc:  # gguf / transformers raise many types for corrupt files
-        msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        msg = _first_line(exc)
         raise ExportError(
             f"{gguf}: could not read the GGUF file ({msg}); the file is corrupt, truncated or "
             "of an architecture transformers cannot dequantize"
@@ -207,6 +212,12 @@ def gguf_to_folder(gguf: Path, out: Path, *, weights: bool = True) -> Path:
     if template is not None:
         set_chat_template(out, template)
     return out
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's first line (200 characters at most), else its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def same_vocab(target: Path, draft: Path) -> bool:

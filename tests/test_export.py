@@ -125,6 +125,29 @@ def test_corrupt_gguf(tmp_path: Path) -> None:
         _export(notgguf, tmp_path / "out")
 
 
+def test_gguf_with_gguf_package_too_old_names_the_package_not_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers refuses GGUF files when its gguf package is missing or too old: the error
+    says to upgrade, not that a sound file is corrupt (regression: it said "corrupt")."""
+    gguf = pytest.importorskip("gguf")
+    from transformers import modeling_gguf_pytorch_utils
+
+    good = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(good), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # what transformers sees with gguf older than its minimum (or not installed)
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "is_gguf_available", lambda *a: False)
+    with pytest.raises(SpecEdgeError) as info:
+        _export(good, tmp_path / "out")
+    message = str(info.value)
+    assert "missing or too old" in message and "pip install -U 'specedge[export]'" in message
+    assert "corrupt" not in message and "\n" not in message
+    _no_leftovers(tmp_path / "out")
+
+
 def test_validation_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            work: Path) -> None:
     """A failed validation (simulated by a zero tolerance) aborts the export atomically."""
