@@ -16,7 +16,6 @@ from specedge.cli_base import (
     TOP_K,
     TOP_P,
     LoadOptions,
-    clean_errors,
     ks_option,
     load_options,
     max_new_tokens_option,
@@ -24,6 +23,7 @@ from specedge.cli_base import (
     print_table,
     read_prompt_file,
 )
+from specedge.cli_errors import clean_errors
 from specedge.runtime.errors import InputError
 from specedge.runtime.files import json_dumps, write_atomic
 from specedge.runtime.manifest import DRAFTERS

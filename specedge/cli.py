@@ -24,8 +24,6 @@ from specedge.cli_base import (
     FORCE,
     NO_VERIFY,
     CommaSeparated,
-    OneLineErrors,
-    clean_errors,
     ks_option,
     max_new_tokens_option,
     new_table,
@@ -33,6 +31,7 @@ from specedge.cli_base import (
     read_prompt_file,
     stage_status,
 )
+from specedge.cli_errors import OneLineErrors, clean_errors
 from specedge.exporter.pair import GRAPHS, PRECISIONS, PROVIDERS
 from specedge.exporter.quantize import METHODS
 from specedge.runtime.errors import InputError, SpecEdgeError

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Sequence
 
 import click
 
-from specedge.cli_base import clean_errors, rich_console
+from specedge.cli_base import rich_console
+from specedge.cli_errors import clean_errors
 from specedge.runtime.doctor import DoctorReport, diagnose, parse_providers
 from specedge.runtime.errors import InputError
 

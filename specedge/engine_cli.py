@@ -40,7 +40,7 @@ def build_engine(pair: Path, output: Path | None, batch: int, precision: str, fo
     the GPU, TensorRT and onnxruntime versions match the build, and the ONNX models otherwise.
     Needs a pair of float models in standard ops (`export --graph concat-standard`).
     """
-    from specedge.cli_base import clean_errors
+    from specedge.cli_errors import clean_errors
 
     clean_errors(_build)(pair, output, batch, precision, force, device_id)
 

@@ -12,15 +12,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from specedge.batch_file import read_batch_file
-from specedge.cli_base import (
-    PREFIX_CACHE_HELP,
-    LoadOptions,
-    clean_errors,
-    load_options,
-    new_table,
-    one_line,
-    print_table,
-)
+from specedge.cli_base import PREFIX_CACHE_HELP, LoadOptions, load_options, new_table, print_table
+from specedge.cli_errors import clean_errors, one_line
 from specedge.generation_options import GenerationOptions, generation_options
 from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.files import json_dumps

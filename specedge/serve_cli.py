@@ -16,12 +16,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from specedge.cli_base import (
-    CHAT_TEMPLATE_KWARGS_HELP,
-    PREFIX_CACHE_HELP,
-    one_line,
-    template_kwargs_option,
-)
+from specedge.cli_base import CHAT_TEMPLATE_KWARGS_HELP, PREFIX_CACHE_HELP, template_kwargs_option
+from specedge.cli_errors import one_line
 from specedge.runtime.errors import InputError, SpecEdgeError
 from specedge.runtime.policy import DRAFTER_CHOICES
 
