@@ -109,7 +109,7 @@ def replay(trace: dict[str, list[int]], drafter: str, k: int, k_free: int,
         spent += v
         if tuner is not None:
             if free:
-                tuner.record_verify(len(drafts) + 1, v)
+                tuner.free_round(len(drafts) + 1, v, min(accepted + 1, left), v)
             else:
                 tuner.update(len(drafts), accepted, step_s, steps, v)
         t += min(accepted + 1, left)

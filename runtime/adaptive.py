@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 from .costs import CostTable
 
+FREE = -1  # `_realized`'s kind of rounds that verified free n-gram hits only
+
 
 class AdaptiveK:
     """Pick the draft length that maximizes predicted tokens per second, from measurements.
@@ -237,8 +239,37 @@ class AdaptiveK:
 
     def record_verify(self, size: int, verify_s: float, rows: int = 1) -> None:
         """Record only the cost of verifying `size` positions for `rows` rows (a round whose k
-        this tuner did not choose, e.g. a free n-gram hit next to model drafting)."""
+        this tuner did not choose)."""
         self.verify.record(rows * size, verify_s)
+
+    def free_round(self, size: int, verify_s: float, tokens: int, seconds: float,
+                   rows: int = 1) -> None:
+        """Record a round that verified free n-gram drafts and ran no draft call (hybrid
+        drafting; its k was not this tuner's): verifying `size` positions for `rows` rows took
+        `verify_s`, and the round gave `tokens` (all rows) in `seconds` (`free_hits_pay`).
+
+        The draft model now lags by the round's tokens, and the next drafting round's first
+        call feeds them: a cost of the free round, so it stays out of `first_width`. Priced as
+        every drafting round's (a first call of 7 tokens on average on the fast pair), it made
+        k = 1 look ~10 ms dearer a round and turned drafting off where fixed K ran at 1.5x."""
+        self.record_verify(size, verify_s, rows)
+        self._drafted = False
+        self._record_realized(rows, FREE, tokens, seconds)
+
+    def free_hits_pay(self) -> bool:
+        """Whether free n-gram hits are still verified while the draft model is off (k = 0):
+        unless the rounds that verified them lately (`REALIZED_MIN` decayed rounds) gave fewer
+        tokens a second than plain decoding. A verdict fades like `realized_rate`'s. With an
+        fp32 target they are most of what hybrid drafting gains (stopped with the draft model,
+        one rejected round cost the rest of the text: 1.28x where fixed K ran at 1.54x); on a
+        quantized target, where verify(4) costs 1.5x verify(1), they lost 8%. Not in a probe
+        down to k = 0: it measures plain decoding, and a hit's tokens would leave the draft too
+        far behind to draft again in this text (`MAX_PROBE_CATCH_UP`)."""
+        if self.probing:
+            return False
+        free = self._rate((self.rows, FREE))
+        plain = self.realized_rate(self.rows, 0) or self.expected_rate(0)
+        return free is None or plain is None or free >= plain
 
     def update_batch(self, k: int, outcomes: list[tuple[int, int]], draft_step_s: float,
                      draft_step_calls: int, verify_s: float, catch_up: int = 0,
@@ -265,7 +296,7 @@ class AdaptiveK:
         rows = rows or len(outcomes)
         self.rounds += 1
         if realized is not None:
-            self._record_realized(rows, k, *realized)
+            self._record_realized(rows, min(k, 1), *realized)
         self.catch_up = catch_up
         self.catch_up_tokens = catch_up if catch_up_tokens is None else catch_up_tokens
         self.tokens_left = tokens_left
@@ -297,8 +328,9 @@ class AdaptiveK:
         self._drafted = k > 0
         self.k = self.choose()
 
-    def _record_realized(self, rows: int, k: int, tokens: int, seconds: float) -> None:
-        entry = self._realized.setdefault((rows, min(k, 1)), [0.0, 0.0, 0.0, float(self.rounds)])
+    def _record_realized(self, rows: int, kind: int, tokens: int, seconds: float) -> None:
+        """`kind`: 0 plain rounds, 1 drafting ones (any k > 0), `FREE` free n-gram hits."""
+        entry = self._realized.setdefault((rows, kind), [0.0, 0.0, 0.0, float(self.rounds)])
         fade = self.REALIZED_DECAY ** (self.rounds - entry[3])
         entry[:] = [entry[0] * fade + 1, entry[1] * fade + tokens / rows,
                     entry[2] * fade + seconds, float(self.rounds)]
@@ -308,7 +340,10 @@ class AdaptiveK:
         `expected_rate` counts them: plain rounds (k = 0) or drafting ones (any k > 0; apart
         by k, a server's readings were too few to tell); None: fewer than `REALIZED_MIN`
         decayed rounds."""
-        entry = self._realized.get((rows, min(k, 1)))
+        return self._rate((rows, min(k, 1)))
+
+    def _rate(self, key: tuple[int, int]) -> float | None:
+        entry = self._realized.get(key)
         if entry is None or entry[2] <= 0:
             return None
         if entry[0] * self.REALIZED_DECAY ** (self.rounds - entry[3]) < self.REALIZED_MIN:

@@ -242,7 +242,7 @@ class BatchDecoder(RowJoins):
                 tokens_left=max((tokens_left(r.output, len(r.tokens), self.limit)
                                  for r in self.live), default=0))
         elif self.tuner is not None:  # free n-gram hits only: their k was not the tuner's
-            self.tuner.record_verify(k_round + 1, verify_s, len(fed))
+            self.tuner.free_round(k_round + 1, verify_s, round_tokens, round_s, len(fed))
         return finished
 
 

@@ -367,19 +367,20 @@ def round_k(k: int, output: RowOutput, n_tokens: int, limit: int) -> int:
 
 
 def draft_budget(plan: DecodePlan, k: int, output: RowOutput, n_tokens: int,
-                 limit: int) -> tuple[int, int]:
+                 limit: int, free_hits: bool = False) -> tuple[int, int]:
     """(k for model drafts, k for free n-gram drafts) of a round, given the tuner's k.
 
     Hybrid drafting lets n-gram hits run to the plan's full K whatever k > 0 the tuner chose for
     the draft model: they cost no draft steps, so the tuner's cost model does not apply to them
     (capping them at the model's best k lost most of what they gain). When the tuner chose
-    k = 0 it measured that verifying drafts does not pay (a quantized target on a CPU, where
-    verify(4) costs 1.5x verify(1)), and free hits stop too: they still cost that verification
-    (an int8 target lost 8% to them with the draft model off)."""
+    k = 0, free hits run only where `free_hits` says they still pay (`AdaptiveK.free_hits_pay`,
+    batch 1): they cost a verification of k + 1 positions (an int8 target lost 8% to them with
+    the draft model off). A batch stops them at k = 0: its plain rounds measure plain decoding
+    for the realized-rate check, which hits in the same rounds would blur."""
     if plan.drafter == "none":
         return 0, 0
     own = round_k(k, output, n_tokens, limit)
-    hybrid_free = plan.drafter == "hybrid" and (k > 0 or not plan.adaptive)
+    hybrid_free = plan.drafter == "hybrid" and (k > 0 or not plan.adaptive or free_hits)
     free = round_k(plan.k, output, n_tokens, limit) if hybrid_free else own
     return own, free
 

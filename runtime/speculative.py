@@ -68,7 +68,8 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
                 break
             position = len(tokens) - len(prompt)  # output position of the round's first token
             k, k_free = draft_budget(plan, adaptive.k if adaptive else plan.k, output,
-                                     len(tokens), limit)
+                                     len(tokens), limit,
+                                     adaptive is not None and adaptive.free_hits_pay())
             proposal = (drafter.propose(tokens, k, sampler, position, k_free)
                         if drafter and (k or k_free) else None)
             drafts = proposal.tokens if proposal is not None else _NO_DRAFTS
@@ -105,7 +106,7 @@ def decode(target: OrtModel, target_cache: KVCache, drafter: Drafter | None, pro
                                 if proposal and proposal.first_width else None,
                                 tokens_left=tokens_left(output, len(tokens), limit))
             elif adaptive is not None:
-                adaptive.record_verify(len(drafts) + 1, verify_s)
+                adaptive.free_round(len(drafts) + 1, verify_s, len(emitted), verify_s)
             stats.new_tokens = len(output.tokens)
             suspended = time.perf_counter()
             yield kept

@@ -11,6 +11,7 @@ low for good, and a 0.6 acceptance read as 0.4 switched drafting off.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Callable
 
@@ -117,7 +118,7 @@ def test_a_new_text_keeps_the_costs_and_discounts_the_acceptance() -> None:
     assert tuner.k <= 1
 
 
-def test_hybrid_free_hits_stop_when_the_tuner_turns_drafting_off() -> None:
+def test_hybrid_free_hits_stop_when_the_tuner_turns_drafting_off_unless_they_pay() -> None:
     from specedge.runtime.policy import DecodePlan
     from specedge.runtime.rounds import RowOutput, draft_budget
 
@@ -125,6 +126,7 @@ def test_hybrid_free_hits_stop_when_the_tuner_turns_drafting_off() -> None:
     adaptive = DecodePlan("hybrid", 5, True, 1000, 1)
     assert draft_budget(adaptive, 2, out, 10, 1000) == (2, 5)  # free hits at the full K
     assert draft_budget(adaptive, 0, out, 10, 1000) == (0, 0)  # drafting measured not to pay
+    assert draft_budget(adaptive, 0, out, 10, 1000, free_hits=True) == (0, 5)  # hits still pay
     fixed = DecodePlan("hybrid", 5, False, 1000, 1)
     assert draft_budget(fixed, 5, out, 10, 1000) == (5, 5)
 
@@ -617,3 +619,92 @@ def test_leaving_plain_rounds_pays_the_tokens_the_lagging_draft_feeds() -> None:
     lagging = tuner_at_plain(8)
     assert lagging.k == 0
     assert lagging._lag_cost() == pytest.approx(7 * step, rel=0.2)
+
+
+# The fast pair on 2 CPU cores (fp32 target, int8 self-draft, hybrid drafting), in seconds.
+FAST_VERIFY_1, FAST_STEP = 0.0264, 0.0125
+
+
+def fast_verify(s: int) -> float:
+    return FAST_VERIFY_1 * (1 + 0.056 * (s - 1))  # verify(9) / verify(1) = 1.45, measured
+
+
+def fast_first_call(width: int) -> float:
+    return FAST_STEP + 0.0017 * (width - 1)  # a draft call feeding `width` tokens
+
+
+def run_hybrid(tuner: AdaptiveK, rounds: int, rng: random.Random, accept: float,
+               lag: int = 1) -> tuple[list[int], int]:
+    """Hybrid rounds as the batch-1 loop runs them: a free n-gram hit of 8 drafts (7 accepted)
+    every other round while free hits run (any k > 0, or k = 0 while they pay), else a round
+    at the tuner's k (drafts accepted with probability `accept` each); returns the k of the
+    model rounds and the draft's lag."""
+    ks = []
+    for n in range(rounds):
+        if n % 2 == 0 and (tuner.k > 0 or tuner.free_hits_pay()):
+            tuner.free_round(9, fast_verify(9), 8, fast_verify(9))
+            lag += 8  # the draft model was not fed: its next call feeds these too
+            continue
+        k = tuner.k
+        ks.append(k)
+        if k == 0:
+            tuner.update(0, 0, 0.0, 0, fast_verify(1), catch_up=lag)
+            lag += 1
+            continue
+        accepted = 0
+        while accepted < k and rng.random() < accept:
+            accepted += 1
+        tuner.update(k, accepted, FAST_STEP * (k - 1), k - 1, fast_verify(k + 1),
+                     first_call=(1, lag, fast_first_call(lag)))
+        lag = 2 if accepted == k else 1
+    return ks, lag
+
+
+def test_hybrid_free_rounds_do_not_price_drafting_out() -> None:
+    """Regression (the fast pair, `specedge tune`'s 16 calibration prompts: adaptive K 1.28x
+    where fixed K=8 ran at 1.54x): a model round after a free n-gram round feeds the tokens the
+    hit committed, and those wide first calls were averaged into every drafting round's price
+    (`first_width` ~7), so after one wholly rejected round drafting looked a loss, turned off,
+    and took the free hits with it for the rest of the run. Now drafting resumes at the next
+    text, and the hits keep running while it is off."""
+    rng = random.Random(5)
+    tuner = AdaptiveK(8)
+    for _ in range(6):  # texts of 40 rounds, as `Pair` runs them
+        tuner.new_text()
+        run_hybrid(tuner, 40, rng, 0.9)
+    assert (tuner.first_width or 1.0) <= 2.5
+    tuner.new_text()
+    k = max(tuner.k, 2)
+    tuner.update(k, 0, FAST_STEP * (k - 1), k - 1, fast_verify(k + 1),
+                 first_call=(1, 1, fast_first_call(1)))  # one round: every draft rejected
+    run_hybrid(tuner, 40, rng, 0.9)
+    assert tuner.free_hits_pay()
+    later: list[int] = []
+    for _ in range(3):
+        tuner.new_text()
+        later += run_hybrid(tuner, 40, rng, 0.9)[0]
+    assert sum(k > 0 for k in later) >= 0.8 * len(later), later
+
+
+def test_free_hits_stop_at_k_0_where_they_lose_and_return_once_the_verdict_fades() -> None:
+    """A quantized target on a CPU (verify(4) costs 1.5x verify(1)) whose n-gram hits are
+    seldom right: verified with the draft model off, they give fewer tokens a second than plain
+    rounds, so they stop; the verdict fades like a realized rate, and they are tried again."""
+    tuner = AdaptiveK(4)
+    read_drafting_twice(tuner, verify=1.5)  # the draft model does not pay
+    for _ in range(6):
+        tuner.update(0, 0, 0.0, 0, 1.0)  # plain rounds: 1 token a second
+    assert tuner.k == 0 and not tuner.probing
+    assert tuner.free_hits_pay()  # nothing known about the hits yet
+    for _ in range(4):
+        tuner.free_round(4, 1.5, 1, 1.5)  # 3 drafts, none accepted: 0.67 tokens a second
+    assert not tuner.free_hits_pay()
+    for _ in range(int(math.log(AdaptiveK.REALIZED_MIN / 4) / math.log(
+            AdaptiveK.REALIZED_DECAY)) + 2):
+        tuner.update(0, 0, 0.0, 0, 1.0)
+    while tuner.probing:  # a probe measures plain decoding: no hits in it
+        assert not tuner.free_hits_pay()
+        tuner.update(0, 0, 0.0, 0, 1.0)
+    assert tuner.free_hits_pay()
+    tuner.free_round(4, 1.5, 4, 1.5)  # right this time: 2.7 tokens a second
+    assert tuner.free_hits_pay()

@@ -43,6 +43,26 @@ def test_adaptive_greedy_equals_target_only(tiny_pair: Pair) -> None:
         assert st.accepted > 0 and 0 in st.draft_lengths and max(st.draft_lengths) >= 3
 
 
+def test_hybrid_free_hits_at_k_0_keep_greedy_exact(tiny_pair: Pair,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the draft model off (k = 0, scripted), n-gram hits are still verified (while they
+    pay: `AdaptiveK.free_hits_pay`); the output stays target-only's, token for token."""
+    at_k: list[int] = []
+    free_round = AdaptiveK.free_round
+
+    def spy(self: AdaptiveK, *args: object, **kwargs: object) -> None:
+        at_k.append(self.k)
+        free_round(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AdaptiveK, "free_round", spy)
+    for prompt in ["a b c a b c a b c a b c", "1 2 3 4 1 2 3 4 1 2 3 4", "The quick brown"]:
+        base = ids_of(tiny_pair, GenerationConfig(max_new_tokens=60, drafter="none"), prompt)
+        spec = ids_of(tiny_pair, GenerationConfig(max_new_tokens=60, drafter="hybrid",
+                                                  num_draft_tokens=5, adaptive=True), prompt)
+        assert spec == base, prompt
+    assert 0 in at_k, "no free n-gram round ran at k = 0"
+
+
 def test_cache_invariant_holds_every_round(tiny_pair: Pair) -> None:
     """Both caches hold exactly the committed tokens but the last one (draft: a prefix)."""
     prompt = tiny_pair.encode_prompt("The quick brown")
