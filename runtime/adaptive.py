@@ -261,10 +261,10 @@ class AdaptiveK:
         unless the rounds that verified them lately (`REALIZED_MIN` decayed rounds) gave fewer
         tokens a second than plain decoding. A verdict fades like `realized_rate`'s. With an
         fp32 target they are most of what hybrid drafting gains (stopped with the draft model,
-        one rejected round cost the rest of the text: 1.28x where fixed K ran at 1.54x); on a
-        quantized target, where verify(4) costs 1.5x verify(1), they lost 8%. Not in a probe
-        down to k = 0: it measures plain decoding, and a hit's tokens would leave the draft too
-        far behind to draft again in this text (`MAX_PROBE_CATCH_UP`)."""
+        one rejected round cost the rest of the run: 1.00-1.11x where fixed K ran at 1.5x);
+        on a quantized target, where verify(4) costs 1.5x verify(1), they lost 8% once. Not in
+        a probe down to k = 0: it measures plain decoding, and a hit's tokens would leave the
+        draft too far behind to draft again in this text (`MAX_PROBE_CATCH_UP`)."""
         if self.probing:
             return False
         free = self._rate((self.rows, FREE))

@@ -374,8 +374,10 @@ def draft_budget(plan: DecodePlan, k: int, output: RowOutput, n_tokens: int,
     the draft model: they cost no draft steps, so the tuner's cost model does not apply to them
     (capping them at the model's best k lost most of what they gain). When the tuner chose
     k = 0, free hits run only where `free_hits` says they still pay (`AdaptiveK.free_hits_pay`,
-    batch 1): they cost a verification of k + 1 positions (an int8 target lost 8% to them with
-    the draft model off). A batch stops them at k = 0: its plain rounds measure plain decoding
+    batch 1): they cost a verification of k + 1 positions, which an int8 target once lost 8%
+    to, and where the draft model loses they are all that speculation gains (the same int8
+    target at k = 0: 1.10-1.14x with them, 0.97-1.00x without, `docs/results/
+    hybrid_adaptive.md`). A batch stops them at k = 0: its plain rounds measure plain decoding
     for the realized-rate check, which hits in the same rounds would blur."""
     if plan.drafter == "none":
         return 0, 0
