@@ -18,6 +18,12 @@ def main() -> None:
             os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
         except OSError:
             pass  # run as we are: only slower
-    from specedge.cli import main as cli
-
+    try:
+        from specedge.cli import main as cli
+    except KeyboardInterrupt:
+        # Ctrl-C while the CLI's libraries load (seconds on a busy machine): nothing has run
+        # yet, so there is nothing to clean up; say so in one line, as a running command does.
+        sys.stderr.write("interrupted\n")
+        sys.stderr.flush()
+        os._exit(130)
     cli()

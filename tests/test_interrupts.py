@@ -55,3 +55,40 @@ def test_ctrl_c_during_generate(reference_pair_dir: Path, tmp_path: Path) -> Non
     assert result.returncode == 130 and "interrupted" in result.stderr
     assert "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+_INTERRUPT_WHILE_LOADING = """
+import os, signal, sys
+
+class CtrlC:
+    # A real SIGINT, sent the moment `specedge.cli` starts to load: where Ctrl-C lands when
+    # the user presses it during the second or more that the CLI's libraries take to import.
+    def find_spec(self, name, path=None, target=None):
+        if name == "specedge.cli":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["specedge", "--version"]
+from specedge.launch import main
+main()
+print("the CLI ran")
+"""
+
+
+def test_ctrl_c_while_the_cli_loads_is_one_line(tmp_path: Path) -> None:
+    # Regression: an interrupt during the CLI's imports printed a KeyboardInterrupt traceback
+    # (the one-line handling only wraps the commands).
+    result = subprocess.run([sys.executable, "-c", _INTERRUPT_WHILE_LOADING], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "interrupted\n"
+    assert "the CLI ran" not in result.stdout
+
+
+def test_python_dash_m_specedge_is_the_cli(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "specedge", "--version"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "version" in result.stdout

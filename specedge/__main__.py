@@ -1,0 +1,5 @@
+"""`python -m specedge`: the `specedge` command."""
+
+from specedge.launch import main
+
+main()
