@@ -36,6 +36,11 @@ class AdaptiveK:
       an optimistic one is corrected by the rounds it drafts (one rejected draft in a server's
       8-token warm-up read as acceptance 0 and kept drafting off for every request after it;
       shrinking a lucky first round's 2 of 2 down kept a cold generation at k = 0).
+      The counts also age while nothing is drafted, by `PLAIN_AGE` a plain round, down to
+      `AGE_FLOOR` readings a row: acceptance belongs to the stretch of text it was read in, and
+      a long text whose opening drafts were mostly rejected kept that reading at k = 0 to its
+      end (simulated: 60 such rounds, then 400 that would accept 90%, drafted in none of
+      them). Down to the floor, one lucky probe round of a batch does not read as a new text.
     - verify(s) and the draft calls come from `costs.CostTable`s keyed by the tokens a call
       feeds (live rows x positions), so a batch whose rows finish at different times compares
       its plain and drafting rounds at the rows it has now (`rows`), and a first draft call
@@ -80,6 +85,10 @@ class AdaptiveK:
     MIN_COST_SAMPLES = 3.0
     TRUST_READINGS = 2  # rounds whose draft calls were read before drafting may turn off
     MAX_PROBE_CATCH_UP = 8
+    # Acceptance read before k = 0 ages by this a plain round, down to AGE_FLOOR readings a row
+    # (the docstring).
+    PLAIN_AGE = 0.99
+    AGE_FLOOR = 2.0
     JOIN_PROBE_AT = 4  # rounds into a joining row that a due probe runs (`draft_fed`)
     PROBE_SHARE = 0.02  # an unfruitful probe may cost this share of the rounds till the next
     MAX_COSTLY_PROBE_EVERY = 4096
@@ -308,6 +317,11 @@ class AdaptiveK:
             self._probe_cost += catch_up_s + max(
                 0.0, draft_step_s + (first_call[2] if first_call else 0.0) + verify_s
                 - (plain if plain is not None else verify_s))
+        floor = self.AGE_FLOOR * rows
+        if not any(p for p, _ in outcomes) and self.reached[1] > floor:
+            age = max(self.PLAIN_AGE, floor / self.reached[1])
+            self.hits = [h * age for h in self.hits]
+            self.reached = [n * age for n in self.reached]
         for proposed, accepted in outcomes:
             self._observed |= proposed > 0
             for i in range(1, min(proposed, accepted + 1) + 1):
@@ -430,8 +444,10 @@ class AdaptiveK:
             # prefill). At a text's start drafting must pay the rows' draft prefills within
             # the text (batch 8 on a CPU: k = 1 predicted 4% faster did not pay 8 prefills).
             horizon = float(self.interval)  # tokens per row: the rounds at k = 0
-            if self.text_tokens is not None:
-                left = self.text_tokens - self._tokens_now
+            # A text already longer than the average ones says nothing about its end: its
+            # budget bounds it (`tokens_left`); counting none left kept it at k = 0 to the end.
+            left = None if self.text_tokens is None else self.text_tokens - self._tokens_now
+            if left is not None and (left > 0 or self._text_prefill):
                 horizon = max(0.0, left if self._text_prefill else min(horizon, left))
             if self.tokens_left is not None:
                 # No row lives past its budget. A continuous batch starts no texts, and there

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .adaptive import AdaptiveK
 from .backend import OrtModel
 from .kvcache import KVCache
 from .manifest import ModelSpec
@@ -67,9 +68,18 @@ class Drafter(Protocol):
 class ModelDrafter:
     """Drafts with a small model and its own KV cache.
 
-    Invariant after `commit(tokens)`: the cache holds a prefix of `tokens` of length at most
-    `len(tokens) - 1`; `propose` feeds the missing tail (catch-up) then one token per step.
+    Invariant after `commit(tokens)`: the cache holds a prefix of `view(tokens)` of length at
+    most `len(view(tokens)) - 1`; `propose` feeds the missing tail (catch-up) then one token
+    per step. `view(tokens)` is `tokens` until the draft lagged by more than `window` tokens
+    (target-only rounds at k = 0, free n-gram hits): the catch-up then feeds only the last
+    `window` of them, after what the cache holds, and the view skips the ones between. Its
+    context has a gap from then on (its positions count its cache, not the text), which
+    changes what it proposes, never the output. Fed in full, one probe up from k = 0 late in
+    a long text fed thousands of tokens, so adaptive k skipped every probe
+    (`AdaptiveK.MAX_PROBE_CATCH_UP`) and never drafted again in that text.
     """
+
+    window = AdaptiveK.MAX_PROBE_CATCH_UP  # the most tokens a catch-up feeds
 
     def __init__(self, model: OrtModel, cache: KVCache, p_min: float = 0.0,
                  fed: Sequence[int] = (), prompt_kv: KVCache | None = None) -> None:
@@ -79,14 +89,21 @@ class ModelDrafter:
         self.model, self.cache, self.p_min = model, cache, p_min
         self.prompt_kv = prompt_kv
         self.fed: list[int] = list(fed)  # the tokens whose keys/values are in the cache
-        self.stable = len(self.fed)  # fed[:stable] equals the committed tokens
+        self.stable = len(self.fed)  # fed[:stable] equals the committed tokens (their view)
+        # Cache positions from `seam` on hold the committed tokens `skipped` later (`view`).
+        self.seam = self.skipped = 0
         assert int(cache.lengths[0]) == len(self.fed), "the cache holds exactly `fed`"
 
     def propose(self, tokens: list[int], k: int, sampler: RowSampler, position: int,
                 k_free: int = 0) -> Proposal:
         if k <= 0:
             return Proposal(np.zeros(0, np.int64), None)
-        pending = tokens[len(self.fed):]
+        view = self.view(tokens)
+        if len(view) - len(self.fed) > self.window:  # lagging: skip to the last `window`
+            self.seam = len(self.fed)
+            self.skipped += len(view) - len(self.fed) - self.window
+            view = self.view(tokens)
+        pending = view[len(self.fed):]
         drafts: list[int] = []
         probs: list[np.ndarray] = []
         seconds = step_seconds = first_seconds = 0.0
@@ -137,18 +154,25 @@ class ModelDrafter:
     def prefill(self, tokens: list[int]) -> None:
         """Feed all but the last committed token, so the first round drafts at once."""
         if len(tokens) > 1 and len(self.fed) < len(tokens) - 1:
-            assert self.fed == tokens[:len(self.fed)], "a reused prefix of these tokens"
+            assert self.fed == tokens[:len(self.fed)] and not self.skipped, "a reused prefix"
             if self.prompt_kv is not None:
                 self.cache.copy_from(self.prompt_kv, len(self.fed), len(tokens) - 1)
             else:
                 feed(self.model, self.cache, tokens[:-1])
             self.fed = list(tokens[:-1])
 
+    def view(self, tokens: list[int]) -> list[int]:
+        """The committed `tokens` as the cache holds them: all of them, or, once a catch-up
+        was cut to `window`, those before the seam and those after the skipped ones."""
+        if not self.skipped:
+            return tokens
+        return self.fed[:self.seam] + tokens[self.seam + self.skipped:]
+
     def catch_up(self, tokens: list[int]) -> int:
-        return len(tokens) - len(self.fed)
+        return min(len(self.view(tokens)) - len(self.fed), self.window)
 
     def commit(self, tokens: list[int]) -> None:
-        n = fed_prefix(self.fed, tokens, self.stable)
+        n = fed_prefix(self.fed, self.view(tokens), self.stable)
         del self.fed[n:]
         self.stable = n
         self.cache.rollback(n)

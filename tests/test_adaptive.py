@@ -18,6 +18,7 @@ from collections.abc import Callable
 import pytest
 
 from specedge.runtime.adaptive import AdaptiveK
+from specedge.runtime.drafters import ModelDrafter
 from specedge.runtime.pair import GenerationConfig, Pair
 
 # The tuner's own choices are under test here (conftest scripts them elsewhere).
@@ -638,18 +639,18 @@ def run_hybrid(tuner: AdaptiveK, rounds: int, rng: random.Random, accept: float,
     """Hybrid rounds as the batch-1 loop runs them: a free n-gram hit of 8 drafts (7 accepted)
     every other round while free hits run (any k > 0, or k = 0 while they pay), else a round
     at the tuner's k (drafts accepted with probability `accept` each); returns the k of the
-    model rounds and the draft's lag."""
+    model rounds and the draft's lag (what its next call feeds: at most `ModelDrafter.window`)."""
     ks = []
     for n in range(rounds):
         if n % 2 == 0 and (tuner.k > 0 or tuner.free_hits_pay()):
             tuner.free_round(9, fast_verify(9), 8, fast_verify(9))
-            lag += 8  # the draft model was not fed: its next call feeds these too
+            lag = min(lag + 8, ModelDrafter.window)  # the draft model was not fed
             continue
         k = tuner.k
         ks.append(k)
         if k == 0:
             tuner.update(0, 0, 0.0, 0, fast_verify(1), catch_up=lag)
-            lag += 1
+            lag = min(lag + 1, ModelDrafter.window)
             continue
         accepted = 0
         while accepted < k and rng.random() < accept:
@@ -708,3 +709,67 @@ def test_free_hits_stop_at_k_0_where_they_lose_and_return_once_the_verdict_fades
     assert tuner.free_hits_pay()
     tuner.free_round(4, 1.5, 4, 1.5)  # right this time: 2.7 tokens a second
     assert tuner.free_hits_pay()
+
+
+def test_a_long_text_drafts_again_after_a_bad_stretch() -> None:
+    """Regression (simulated with the fast pair's costs): within one long text, 60 rounds whose
+    drafts are mostly rejected, then 400 whose drafts are accepted 90% of the time. Before, the
+    tuner never drafted again in that text (0 of 400 rounds on 20 of 20 seeds): at k = 0 the
+    acceptance read in the bad stretch never aged, the draft's lag passed
+    `MAX_PROBE_CATCH_UP` so every probe was skipped, and a text longer than the average left
+    no tokens to repay a catch-up in. Now acceptance ages at k = 0 rounds, a catch-up feeds at
+    most a window, and a text past the average length is bounded by its budget."""
+    drafting = []
+    for seed in range(10):
+        rng = random.Random(seed)
+        tuner = AdaptiveK(8)
+        for _ in range(6):  # warm texts, as `Pair` runs them
+            tuner.new_text()
+            run_hybrid(tuner, 40, rng, 0.9)
+        tuner.new_text()
+        _, lag = run_hybrid(tuner, 60, rng, rng.uniform(0.1, 0.3))
+        assert tuner.k == 0, "the bad stretch turned drafting off"
+        ks, _ = run_hybrid(tuner, 400, rng, 0.9, lag)
+        assert any(ks[:100]), seed
+        drafting.append(sum(k > 0 for k in ks) / len(ks))
+    assert sum(drafting) / len(drafting) >= 0.7, drafting
+
+
+def test_drafts_that_never_pay_stay_off_in_a_long_text() -> None:
+    """The other side of ageing acceptance at k = 0: on a long text whose drafts are rejected
+    80% of the time throughout, the rounds it drafts to re-read acceptance cost under 2%
+    against staying at k = 0 (simulated as above, no free hits)."""
+    rates = []
+    for seed in range(10):
+        rng = random.Random(seed)
+        tuner = AdaptiveK(8)
+        for _ in range(6):
+            tuner.new_text()
+            run_plain_or_drafting(tuner, 40, rng, 0.9)
+        tuner.new_text()
+        tokens, seconds = run_plain_or_drafting(tuner, 800, rng, 0.2)
+        rates.append(tokens / seconds)
+    assert sum(rates) / len(rates) >= 0.98 / fast_verify(1), rates
+
+
+def run_plain_or_drafting(tuner: AdaptiveK, rounds: int, rng: random.Random,
+                          accept: float) -> tuple[float, float]:
+    """`rounds` rounds at the tuner's k with no n-gram hits; returns (tokens, seconds)."""
+    tokens = seconds = 0.0
+    lag = 1
+    for _ in range(rounds):
+        k = tuner.k
+        if k == 0:
+            tuner.update(0, 0, 0.0, 0, fast_verify(1), catch_up=lag)
+            lag = min(lag + 1, ModelDrafter.window)
+            tokens, seconds = tokens + 1, seconds + fast_verify(1)
+            continue
+        accepted = 0
+        while accepted < k and rng.random() < accept:
+            accepted += 1
+        tuner.update(k, accepted, FAST_STEP * (k - 1), k - 1, fast_verify(k + 1),
+                     first_call=(1, lag, fast_first_call(lag)))
+        tokens += accepted + 1
+        seconds += fast_first_call(lag) + FAST_STEP * (k - 1) + fast_verify(k + 1)
+        lag = 2 if accepted == k else 1
+    return tokens, seconds

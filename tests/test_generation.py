@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specedge.runtime.adaptive import AdaptiveK
-from specedge.runtime.drafters import ModelDrafter, NgramDrafter
+from specedge.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from specedge.runtime.errors import InputError
 from specedge.runtime.pair import GenerationConfig, Pair
 from specedge.runtime.policy import resolve_plan
@@ -81,6 +81,53 @@ def test_cache_invariant_holds_every_round(tiny_pair: Pair) -> None:
         assert len(drafter.fed) <= len(committed) - 1
         assert drafter.fed == committed[: len(drafter.fed)]
         assert int(drafter.cache.lengths[0]) == len(drafter.fed)
+
+
+@pytest.mark.parametrize("drafter_name", ["model", "hybrid"])
+def test_a_long_lag_is_caught_up_in_one_window(tiny_pair: Pair, drafter_name: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: after a long stretch at k = 0 the draft fed every token it had missed, so a
+    probe up from k = 0 late in a long text was skipped (`AdaptiveK.MAX_PROBE_CATCH_UP`) and
+    drafting never resumed in that text. Now a catch-up feeds at most `window` tokens (the
+    draft's context skips the rest); the output is still target-only's, token for token, and
+    the cache holds a prefix of the draft's view of the committed tokens every round."""
+    script = [0] * 30 + [3, 2, 0, 0, 4] + [0] * 12 + [3, 1]
+    monkeypatch.setattr(AdaptiveK, "choose",
+                        lambda self: script[min(self.rounds, len(script) - 1)])
+    # Free n-gram hits at k = 0 would end the text in fewer scripted rounds when they pay,
+    # which depends on this machine's timings.
+    monkeypatch.setattr(AdaptiveK, "free_hits_pay", lambda self: False)
+    prompt = tiny_pair.encode_prompt("The quick brown")
+    cfg = GenerationConfig(max_new_tokens=80, drafter=drafter_name, num_draft_tokens=4,
+                           ignore_eos=True)
+    base = ids_of(tiny_pair, GenerationConfig(max_new_tokens=80, drafter="none",
+                                              ignore_eos=True), "The quick brown")
+    assert tiny_pair.draft is not None
+    model = ModelDrafter(tiny_pair.draft, tiny_pair.draft.new_cache(1, 256))
+    drafter = model if drafter_name == "model" else HybridDrafter(model, NgramDrafter(2))
+    widths: list[int] = []
+    propose = ModelDrafter.propose
+
+    def spy(self: ModelDrafter, *args: object, **kwargs: object) -> Proposal:
+        out = propose(self, *args, **kwargs)  # type: ignore[arg-type]
+        widths.append(out.first_width)
+        return out
+
+    monkeypatch.setattr(ModelDrafter, "propose", spy)
+    plan = resolve_plan(tiny_pair.manifest, has_draft=True, drafter=drafter_name, k=4,
+                        adaptive=True)
+    committed = list(prompt)
+    sampler = RowSampler(SamplingParams(), tiny_pair.target.spec.vocab_size)
+    for chunk in decode(tiny_pair.target, tiny_pair.target.new_cache(1, 256), drafter, prompt,
+                        plan, sampler, RowOutput(cfg.max_new_tokens, ()), GenerationStats()):
+        committed += chunk
+        view = model.view(committed)
+        assert model.fed == view[:len(model.fed)] and len(model.fed) <= len(view) - 1
+        assert int(model.cache.lengths[0]) == len(model.fed)
+        assert model.catch_up(committed) <= ModelDrafter.window
+    assert committed[len(prompt):] == base
+    assert model.skipped > 0, "no catch-up was cut short"
+    assert widths and max(widths) <= ModelDrafter.window
 
 
 def test_same_seed_same_text(tiny_pair: Pair) -> None:
