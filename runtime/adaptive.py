@@ -84,7 +84,12 @@ class AdaptiveK:
 
     MIN_COST_SAMPLES = 3.0
     TRUST_READINGS = 2  # rounds whose draft calls were read before drafting may turn off
-    MAX_PROBE_CATCH_UP = 8
+    MAX_PROBE_CATCH_UP = 8  # tokens a row (a batch's rows: `batch.py` catches them up apart)
+    # At batch 1 the draft catches up on at most this many tokens (`ModelDrafter.window`): 8 cut
+    # its context so short that the first round after read acceptance 0.48 where a full
+    # catch-up read 0.96 (the reference pair, greedy, 30 rounds at k = 0 before each; 32:
+    # 0.88), and a probe then judged drafting by it.
+    CATCH_UP_WINDOW = 32
     # Acceptance read before k = 0 ages by this a plain round, down to AGE_FLOOR readings a row
     # (the docstring).
     PLAIN_AGE = 0.99
@@ -102,8 +107,12 @@ class AdaptiveK:
     def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
                  accept_decay: float = 0.98, shrink: float = 4.0, prior: float = 0.7,
                  probe_every: int = 16,
-                 max_probe_every: int = 256, draft_step: float | None = None) -> None:
+                 max_probe_every: int = 256, draft_step: float | None = None,
+                 max_catch_up: int = MAX_PROBE_CATCH_UP) -> None:
+        """`max_catch_up`: the most tokens a row's draft may lag by for a probe up from k = 0
+        to run (`probe_catch_up`)."""
         self.k_max = k_max
+        self.max_catch_up = max_catch_up
         self.k = self.k_start = min(k_start, k_max)
         self.decay, self.accept_decay = decay, accept_decay
         self.shrink, self.prior = shrink, prior
@@ -400,7 +409,7 @@ class AdaptiveK:
         until a feed was measured); 0 when there is nothing to weigh."""
         if self._text_prefill:
             return sum(self.feeds.cost(n) or 0.0 for n in self._text_prefill)
-        if self.catch_up <= self.MAX_PROBE_CATCH_UP:
+        if self.catch_up <= self.max_catch_up:
             return self._lag_cost()
         if self.feeds.mean:
             return self.feeds.cost(self.catch_up_tokens) or 0.0
@@ -487,7 +496,7 @@ class AdaptiveK:
             self._probes += 1
             step = 1 if self._probes % 2 or best == 0 else -1
             probe = self.k_start if retry else max(0, min(self.k_max, best + step))
-            if best == 0 and self.catch_up > self.MAX_PROBE_CATCH_UP:
+            if best == 0 and self.catch_up > self.max_catch_up:
                 probe = best  # the catch-up would cost more than the probe can tell
             if probe != best:
                 self._best_at_probe, self.probing = best, True
@@ -497,6 +506,15 @@ class AdaptiveK:
         return best
 
 
-def new_tuner(drafter: str, k_max: int) -> AdaptiveK:
-    """Adaptive k for a drafter; n-gram drafts are free, so their cost is known up front."""
-    return AdaptiveK(k_max, draft_step=0.0 if drafter == "ngram" else None)
+def probe_catch_up(rows: int) -> int:
+    """The most tokens a row's draft may lag by for a probe up from k = 0 at `rows` rows: a
+    batch-1 draft catches up on at most `CATCH_UP_WINDOW` (`ModelDrafter.window`), a batch's
+    rows on all they lag by."""
+    return AdaptiveK.CATCH_UP_WINDOW if rows == 1 else AdaptiveK.MAX_PROBE_CATCH_UP
+
+
+def new_tuner(drafter: str, k_max: int, rows: int = 1) -> AdaptiveK:
+    """Adaptive k for a drafter at `rows` rows; n-gram drafts are free, so their cost is
+    known up front."""
+    return AdaptiveK(k_max, draft_step=0.0 if drafter == "ngram" else None,
+                     max_catch_up=probe_catch_up(rows))

@@ -87,7 +87,8 @@ class BatchDecoder(RowJoins):
         self.prefixes = SlotPrefixes(capacity, keep=keep_prefixes)
         self.compact = compact
         # `tuner`: a warm AdaptiveK (costs and acceptance learned earlier at this batch size).
-        self.tuner = (tuner or new_tuner(plan.drafter, plan.k)) if plan.adaptive else None
+        self.tuner = (tuner or new_tuner(plan.drafter, plan.k, capacity)) if plan.adaptive \
+            else None
         self.totals = BatchStats()
 
     def _catch_up(self, rows: list[BatchRow]) -> float:

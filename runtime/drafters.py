@@ -76,10 +76,11 @@ class ModelDrafter:
     context has a gap from then on (its positions count its cache, not the text), which
     changes what it proposes, never the output. Fed in full, one probe up from k = 0 late in
     a long text fed thousands of tokens, so adaptive k skipped every probe
-    (`AdaptiveK.MAX_PROBE_CATCH_UP`) and never drafted again in that text.
+    (`AdaptiveK.max_catch_up`) and never drafted again in that text; the window's size is
+    `AdaptiveK.CATCH_UP_WINDOW`'s measurement.
     """
 
-    window = AdaptiveK.MAX_PROBE_CATCH_UP  # the most tokens a catch-up feeds
+    window = AdaptiveK.CATCH_UP_WINDOW  # the most tokens a catch-up feeds
 
     def __init__(self, model: OrtModel, cache: KVCache, p_min: float = 0.0,
                  fed: Sequence[int] = (), prompt_kv: KVCache | None = None) -> None:

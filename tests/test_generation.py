@@ -91,19 +91,19 @@ def test_a_long_lag_is_caught_up_in_one_window(tiny_pair: Pair, drafter_name: st
     drafting never resumed in that text. Now a catch-up feeds at most `window` tokens (the
     draft's context skips the rest); the output is still target-only's, token for token, and
     the cache holds a prefix of the draft's view of the committed tokens every round."""
-    script = [0] * 30 + [3, 2, 0, 0, 4] + [0] * 12 + [3, 1]
+    script = [0] * 50 + [3, 2, 0, 0, 4] + [0] * 40 + [3, 1]
     monkeypatch.setattr(AdaptiveK, "choose",
                         lambda self: script[min(self.rounds, len(script) - 1)])
     # Free n-gram hits at k = 0 would end the text in fewer scripted rounds when they pay,
     # which depends on this machine's timings.
     monkeypatch.setattr(AdaptiveK, "free_hits_pay", lambda self: False)
     prompt = tiny_pair.encode_prompt("The quick brown")
-    cfg = GenerationConfig(max_new_tokens=80, drafter=drafter_name, num_draft_tokens=4,
+    cfg = GenerationConfig(max_new_tokens=160, drafter=drafter_name, num_draft_tokens=4,
                            ignore_eos=True)
-    base = ids_of(tiny_pair, GenerationConfig(max_new_tokens=80, drafter="none",
+    base = ids_of(tiny_pair, GenerationConfig(max_new_tokens=160, drafter="none",
                                               ignore_eos=True), "The quick brown")
     assert tiny_pair.draft is not None
-    model = ModelDrafter(tiny_pair.draft, tiny_pair.draft.new_cache(1, 256))
+    model = ModelDrafter(tiny_pair.draft, tiny_pair.draft.new_cache(1, 512))
     drafter = model if drafter_name == "model" else HybridDrafter(model, NgramDrafter(2))
     widths: list[int] = []
     propose = ModelDrafter.propose
@@ -118,7 +118,7 @@ def test_a_long_lag_is_caught_up_in_one_window(tiny_pair: Pair, drafter_name: st
                         adaptive=True)
     committed = list(prompt)
     sampler = RowSampler(SamplingParams(), tiny_pair.target.spec.vocab_size)
-    for chunk in decode(tiny_pair.target, tiny_pair.target.new_cache(1, 256), drafter, prompt,
+    for chunk in decode(tiny_pair.target, tiny_pair.target.new_cache(1, 512), drafter, prompt,
                         plan, sampler, RowOutput(cfg.max_new_tokens, ()), GenerationStats()):
         committed += chunk
         view = model.view(committed)
