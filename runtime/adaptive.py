@@ -63,12 +63,15 @@ class AdaptiveK:
       first (`_lag_cost`).
     - Every `probe_every` rounds a neighbouring k is tried so that the costs and acceptances it
       relies on stay measured; a probe that does not change the choice doubles the interval (up
-      to `max_probe_every`), because a probe is not free. A probe up from k = 0 is skipped when
-      the draft model would first have to catch up on more than `MAX_PROBE_CATCH_UP` tokens
-      (it is not fed while k = 0): at batch 8 on a CPU one such probe late in a 64-token
-      generation cost 0.37 s of catch-up, 13 target-only rounds. A probe due during a new
-      generation (whose draft starts from its prefill) runs at its first round instead, so
-      probes keep their doubling interval. For the same reason a choice to leave k = 0 while
+      to `max_probe_every`), because a probe is not free. The draft model is not fed while
+      k = 0, and a catch-up feeds at most its last `CATCH_UP_WINDOW` tokens a row
+      (`fed_tokens`); a probe up from k = 0 is skipped only when it would first feed a
+      row's whole deferred draft prefill (a batch row that joined at k = 0). Fed in full, at
+      batch 8 on a CPU one catch-up late in a 64-token generation cost 0.37 s, 13
+      target-only rounds, and such probes were skipped, so a text (a batch's: its rows) that
+      went to k = 0 stayed there to its end. A probe due during a new generation (whose draft
+      starts from its prefill) runs at its first round instead, so probes keep their doubling
+      interval. For the same reason a choice to leave k = 0 while
       the draft lags must save its catch-up within the next probe interval, and a batch's
       choice to draft at a text's start must save the rows' draft prefills (deferred at
       k = 0) within the text; both priced by the draft's measured calls (`record_feed`), in
@@ -84,11 +87,10 @@ class AdaptiveK:
 
     MIN_COST_SAMPLES = 3.0
     TRUST_READINGS = 2  # rounds whose draft calls were read before drafting may turn off
-    MAX_PROBE_CATCH_UP = 8  # tokens a row (a batch's rows: `batch.py` catches them up apart)
-    # At batch 1 the draft catches up on at most this many tokens (`ModelDrafter.window`): 8 cut
-    # its context so short that the first round after read acceptance 0.48 where a full
-    # catch-up read 0.96 (the reference pair, greedy, 30 rounds at k = 0 before each; 32:
-    # 0.88), and a probe then judged drafting by it.
+    # A lagging draft catches up on at most this many tokens a row (`fed_tokens`): 8 cut its
+    # context so short that the first round after read acceptance 0.48 where a full catch-up
+    # read 0.96 (the reference pair, greedy, 30 rounds at k = 0 before each; 32: 0.88), and a
+    # probe then judged drafting by it.
     CATCH_UP_WINDOW = 32
     # Acceptance read before k = 0 ages by this a plain round, down to AGE_FLOOR readings a row
     # (the docstring).
@@ -107,12 +109,8 @@ class AdaptiveK:
     def __init__(self, k_max: int, *, k_start: int = 2, decay: float = 0.95,
                  accept_decay: float = 0.98, shrink: float = 4.0, prior: float = 0.7,
                  probe_every: int = 16,
-                 max_probe_every: int = 256, draft_step: float | None = None,
-                 max_catch_up: int = MAX_PROBE_CATCH_UP) -> None:
-        """`max_catch_up`: the most tokens a row's draft may lag by for a probe up from k = 0
-        to run (`probe_catch_up`)."""
+                 max_probe_every: int = 256, draft_step: float | None = None) -> None:
         self.k_max = k_max
-        self.max_catch_up = max_catch_up
         self.k = self.k_start = min(k_start, k_max)
         self.decay, self.accept_decay = decay, accept_decay
         self.shrink, self.prior = shrink, prior
@@ -139,7 +137,8 @@ class AdaptiveK:
         self._probes = 0
         self._last_probe = 0  # rounds at the last probe
         self.catch_up = 0  # the most tokens a row's draft would feed before drafting
-        self.catch_up_tokens = 0  # all rows' tokens a separate catch-up call would feed
+        self.catch_up_tokens = 0  # all rows' tokens a separate catch-up call would feed (0:
+        # none, the first draft call feeds them)
         # Seconds of a draft call outside drafting (a prefill, a catch-up) by tokens fed (rows
         # x width): apart from the steps, whose rows carry a past (at batch 8 on a CPU, mixed
         # in, short prompts' prefills priced a 4-row step at 14 ms and adaptive K drafted at a
@@ -206,8 +205,7 @@ class AdaptiveK:
     def draft_fed(self) -> None:
         """A row joined, alone, with its draft fed up to its prompt (continuous batching, whose
         rows join at any round and start no text: `new_text`): at k = 0 a probe due within the next
-        interval runs a few rounds into the row (`JOIN_PROBE_AT`), while its catch-up is cheap;
-        later its draft lags and a probe up from k = 0 is skipped (`MAX_PROBE_CATCH_UP`).
+        interval runs a few rounds into the row (`JOIN_PROBE_AT`), while its catch-up is cheap.
         Without this a server's probes fell mid-request, were all skipped, and a tuner at k = 0
         stayed there for every request after. Not at the row's first round: the first token of
         a reply is where a draft most often disagrees (a chat prompt's opening word), and one
@@ -234,12 +232,14 @@ class AdaptiveK:
     def update(self, k: int, accepted: int, draft_step_s: float, draft_step_calls: int,
                verify_s: float, catch_up: int = 0,
                first_call: tuple[int, int, float] | None = None,
-               tokens_left: int | None = None) -> None:
+               tokens_left: int | None = None, catch_up_tokens: int = 0) -> None:
         """Record one round: k proposed, `accepted` of them accepted, and its costs;
-        `catch_up`: tokens the draft would feed before drafting in the next round;
-        `first_call`, `tokens_left`: see `update_batch`."""
+        `catch_up`: tokens the draft would feed before drafting in the next round (its first
+        draft call feeds them: `ModelDrafter`); `first_call`, `tokens_left`,
+        `catch_up_tokens`: see `update_batch`."""
         self.update_batch(k, [(k, accepted)], draft_step_s, draft_step_calls, verify_s,
-                          catch_up, first_call=first_call, tokens_left=tokens_left)
+                          catch_up, catch_up_tokens=catch_up_tokens, first_call=first_call,
+                          tokens_left=tokens_left)
 
     @property
     def draft_step(self) -> float | None:
@@ -281,8 +281,7 @@ class AdaptiveK:
         fp32 target they are most of what hybrid drafting gains (stopped with the draft model,
         one rejected round cost the rest of the run: 1.00-1.11x where fixed K ran at 1.5x);
         on a quantized target, where verify(4) costs 1.5x verify(1), they lost 8% once. Not in
-        a probe down to k = 0: it measures plain decoding, and a hit's tokens would leave the
-        draft too far behind to draft again in this text (`MAX_PROBE_CATCH_UP`)."""
+        a probe down to k = 0: it measures plain decoding."""
         if self.probing:
             return False
         free = self._rate((self.rows, FREE))
@@ -301,9 +300,10 @@ class AdaptiveK:
         The costs are those of the whole batch, so the chosen k maximizes the batch's rate.
         `catch_up`: the most tokens a row's draft would feed before drafting next round;
         `catch_up_tokens`: what a separate catch-up call would feed, rows x width (default
-        `catch_up`); `catch_up_s`: seconds of a separate catch-up call before this round's
-        drafts; `rows`: the rows the round fed (default: one per outcome); `next_rows`: the
-        rows the next round will feed (default `rows`), at whose costs its k is chosen;
+        `catch_up`; 0: no such call, the first draft call feeds them); `catch_up_s`: seconds
+        of a separate catch-up call before this round's drafts; `rows`: the rows the round
+        fed (default: one per outcome); `next_rows`: the rows the next round will feed
+        (default `rows`), at whose costs its k is chosen;
         `first_call`: (rows, width, seconds) of the round's first draft call, when the caller
         keeps it apart (`draft_step_s` and `draft_step_calls` are then the one-token calls
         after it; without it every drafting call counts as a one-token step); `realized`:
@@ -405,21 +405,22 @@ class AdaptiveK:
     def _catch_up_cost(self) -> float:
         """Seconds of feeding the draft before it can draft again: the rows' deferred draft
         prefills at a text's start (once a feed was measured; before, the first texts draft
-        and measure it), or a lag of more than `MAX_PROBE_CATCH_UP` tokens (priced per step
-        until a feed was measured); 0 when there is nothing to weigh."""
+        and measure it), or a catch-up call of its own (a batch's rows lagging by more than
+        `batch.SEPARATE_CATCH_UP`; priced per step until a feed was measured), or the wider
+        first draft call (`_lag_cost`); 0 when there is nothing to weigh."""
         if self._text_prefill:
             return sum(self.feeds.cost(n) or 0.0 for n in self._text_prefill)
-        if self.catch_up <= self.max_catch_up:
+        if not self.catch_up_tokens:
             return self._lag_cost()
         if self.feeds.mean:
             return self.feeds.cost(self.catch_up_tokens) or 0.0
         return self.catch_up * (self.draft_step or 0.0)
 
     def _lag_cost(self) -> float:
-        """Seconds a first draft call after k = 0 rounds spends feeding their tokens (up to
-        `MAX_PROBE_CATCH_UP` a row) beyond the `first_width` it feeds after a drafting round:
-        a batch's gqa-shared draft feeds them one call a token (under 4 clients on 2 cores
-        a lag of 5 made a k = 1 round 86 ms where it took 53)."""
+        """Seconds a first draft call after k = 0 rounds spends feeding their tokens beyond
+        the `first_width` it feeds after a drafting round: a batch's gqa-shared draft feeds
+        them one call a token (under 4 clients on 2 cores a lag of 5 made a k = 1 round 86 ms
+        where it took 53)."""
         width = self.first_width or 1.0
         if self._drafted or not self.draft_rounds or self.catch_up <= width:
             return 0.0
@@ -496,8 +497,8 @@ class AdaptiveK:
             self._probes += 1
             step = 1 if self._probes % 2 or best == 0 else -1
             probe = self.k_start if retry else max(0, min(self.k_max, best + step))
-            if best == 0 and self.catch_up > self.max_catch_up:
-                probe = best  # the catch-up would cost more than the probe can tell
+            if best == 0 and self.catch_up > self.CATCH_UP_WINDOW:
+                probe = best  # a whole deferred draft prefill: more than the probe can tell
             if probe != best:
                 self._best_at_probe, self.probing = best, True
                 self._last_probe = self.rounds
@@ -506,15 +507,6 @@ class AdaptiveK:
         return best
 
 
-def probe_catch_up(rows: int) -> int:
-    """The most tokens a row's draft may lag by for a probe up from k = 0 at `rows` rows: a
-    batch-1 draft catches up on at most `CATCH_UP_WINDOW` (`ModelDrafter.window`), a batch's
-    rows on all they lag by."""
-    return AdaptiveK.CATCH_UP_WINDOW if rows == 1 else AdaptiveK.MAX_PROBE_CATCH_UP
-
-
-def new_tuner(drafter: str, k_max: int, rows: int = 1) -> AdaptiveK:
-    """Adaptive k for a drafter at `rows` rows; n-gram drafts are free, so their cost is
-    known up front."""
-    return AdaptiveK(k_max, draft_step=0.0 if drafter == "ngram" else None,
-                     max_catch_up=probe_catch_up(rows))
+def new_tuner(drafter: str, k_max: int) -> AdaptiveK:
+    """Adaptive k for a drafter; n-gram drafts are free, so their cost is known up front."""
+    return AdaptiveK(k_max, draft_step=0.0 if drafter == "ngram" else None)

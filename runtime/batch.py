@@ -4,7 +4,8 @@ Every row has its own committed tokens, KV lengths, sampling parameters, RNG, to
 stop condition. A round:
 1. drafts up to k tokens for every live row: n-gram hits first ("ngram" / "hybrid"), then the
    draft model for the other rows: its first call feeds each row's catch-up tokens (what the
-   draft has not seen yet; a catch-up longer than a few tokens runs in a call of its own), the
+   draft has not seen yet, at most its last `AdaptiveK.CATCH_UP_WINDOW` once it holds its
+   prompt: `fed_tokens`; a catch-up longer than a few tokens runs in a call of its own), the
    next ones one token per row; rows whose budget allows fewer drafts drop out of the later
    draft calls. With adaptive K at k = 0 when a row joins, its draft prefill waits until
    drafting resumes (it often never does at large batches);
@@ -45,8 +46,12 @@ from .batch_join import RowRequest as RowRequest
 from .drafters import ngram_for, take_ngram
 from .errors import InputError
 from .policy import DecodePlan
-from .rounds import draft_budget, fed_prefix, needs_logits, tokens_left
+from .rounds import draft_budget, needs_logits, tokens_left
 from .slot_prefix import SlotPrefixes
+
+# A row whose draft lags by more tokens is caught up in a call of its own before the drafting
+# calls (`BatchDecoder._catch_up`), which then feed one token a row.
+SEPARATE_CATCH_UP = 8
 
 
 class BatchDecoder(RowJoins):
@@ -87,28 +92,31 @@ class BatchDecoder(RowJoins):
         self.prefixes = SlotPrefixes(capacity, keep=keep_prefixes)
         self.compact = compact
         # `tuner`: a warm AdaptiveK (costs and acceptance learned earlier at this batch size).
-        self.tuner = (tuner or new_tuner(plan.drafter, plan.k, capacity)) if plan.adaptive \
+        self.tuner = (tuner or new_tuner(plan.drafter, plan.k)) if plan.adaptive \
             else None
         self.totals = BatchStats()
 
     def _catch_up(self, rows: list[BatchRow]) -> float:
-        """Feed the draft, in one call, what rows whose draft lags by more than a few tokens
-        have not fed it (a prefill deferred while adaptive K drafted nothing, or the tokens of
-        k = 0 rounds), so the drafting calls after it feed one token per row; its seconds.
+        """Feed the draft, in one call, what rows whose draft lags by more than
+        `SEPARATE_CATCH_UP` tokens have not fed it (a prefill deferred while adaptive K
+        drafted nothing, or the last `CATCH_UP_WINDOW` tokens of k = 0 rounds: `fed_tokens`),
+        so the drafting calls after it feed one token per row; its seconds.
 
-        Kept apart from the drafting calls' time: the tuner weighs a catch-up on its own
-        (`AdaptiveK.MAX_PROBE_CATCH_UP`), and a prompt-long one counted as a draft step would
-        make every later step look dear."""
+        Kept apart from the drafting calls' time: the tuner weighs a catch-up on its own,
+        and a prompt-long one counted as a draft step would make every later step look
+        dear."""
         assert self.draft is not None and self.d_cache is not None
-        lagging = [r for r in rows if _lag(r) > AdaptiveK.MAX_PROBE_CATCH_UP]
+        for row in rows:
+            row.draft_fed.cut(row.tokens, AdaptiveK.CATCH_UP_WINDOW, row.prompt_len - 1)
+        lagging = [r for r in rows if _lag(r) > SEPARATE_CATCH_UP]
         if not lagging:
             return 0.0
-        blocks = [r.tokens[len(r.draft_fed):-1] for r in lagging]
+        blocks = [r.draft_fed.view(r.tokens)[len(r.draft_fed.tokens):-1] for r in lagging]
         t0 = time.perf_counter()
         ragged_verify(self.draft, self.d_cache, lagging, blocks, [len(b) for b in blocks],
                        np.ones(len(lagging), bool), last=True)  # no logits reach the host
         for row, block in zip(lagging, blocks, strict=True):
-            row.draft_fed.extend(block)
+            row.draft_fed.tokens.extend(block)
         seconds = time.perf_counter() - t0
         if self.tuner is not None:
             self.tuner.record_feed(len(blocks) * max(map(len, blocks)), seconds)
@@ -196,10 +204,7 @@ class BatchDecoder(RowJoins):
             # The target holds every committed token but the last, which the next round feeds.
             self.t_cache.lengths[row.index] = len(row.tokens) - 1
             if self.d_cache is not None:
-                keep = fed_prefix(row.draft_fed, row.tokens, row.draft_stable)
-                del row.draft_fed[keep:]
-                row.draft_stable = keep
-                self.d_cache.lengths[row.index] = keep
+                self.d_cache.lengths[row.index] = row.draft_fed.commit(row.tokens)
             row.sampler.forget(row.position)
             # The whole calls of the round: the row waited for them (so its host_s is the
             # batch's host time in its rounds, not inflated by the other rows' shares).
@@ -270,13 +275,14 @@ def decode_batch(target: OrtModel, draft: OrtModel | None, plan: DecodePlan,
 
 def _catch_up_size(lags: list[int]) -> int:
     """Tokens a catch-up call for rows lagging by `lags` feeds: lagging rows x the widest."""
-    far = [n for n in lags if n > AdaptiveK.MAX_PROBE_CATCH_UP]
+    far = [n for n in lags if n > SEPARATE_CATCH_UP]
     return len(far) * max(far, default=0)
 
 
 def _lag(row: BatchRow) -> int:
-    """Committed tokens the row's draft has not been fed, but the last (which the next
-    drafting call feeds anyway); `BatchDecoder._catch_up` feeds them when many."""
-    return len(row.tokens) - 1 - len(row.draft_fed)
+    """Committed tokens the row's draft would be fed before drafting, but the last (which the
+    next drafting call feeds anyway): what it lags by, cut to `CATCH_UP_WINDOW` once its draft
+    holds its prompt (`FedTokens.catch_up`); `BatchDecoder._catch_up` feeds them when many."""
+    return row.draft_fed.catch_up(row.tokens, AdaptiveK.CATCH_UP_WINDOW, row.prompt_len - 1) - 1
 
 

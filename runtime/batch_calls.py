@@ -53,8 +53,8 @@ def draft_rows(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks:
         feed_rows = [r for r in rows if r.index in drafting] if compact else rows
         # Each drafting row is fed what its draft has not seen: the round's catch-up and last
         # committed token at first, then its last draft (and any forced tokens after it).
-        blocks = [(r.tokens + drafts[r.index])[len(r.draft_fed):] if r.index in drafting
-                  else [0] for r in feed_rows]
+        blocks = [(r.draft_fed.view(r.tokens) + drafts[r.index])[len(r.draft_fed.tokens):]
+                  if r.index in drafting else [0] for r in feed_rows]
         lens = [len(b) if r.index in drafting else 0
                 for r, b in zip(feed_rows, blocks, strict=True)]
         # Greedy rows without a confidence cut-off need only the argmax of their last fed
@@ -74,7 +74,7 @@ def draft_rows(model: OrtModel, cache: KVCache | None, rows: list[BatchRow], ks:
         for i, row in enumerate(feed_rows):
             if lens[i] == 0:
                 continue
-            row.draft_fed.extend(blocks[i])
+            row.draft_fed.tokens.extend(blocks[i])
             if greedy[i]:
                 pick = int(ids[i, 0])
                 token = pick if model.vocab_ids is None else int(model.vocab_ids[pick])

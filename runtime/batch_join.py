@@ -16,6 +16,7 @@ import numpy as np
 from .adaptive import AdaptiveK
 from .backend import OrtModel
 from .errors import InputError
+from .fed_tokens import FedTokens
 from .grammar import GrammarState
 from .kvcache import KVCache
 from .policy import DecodePlan
@@ -79,8 +80,7 @@ class BatchRow:
     sampler: RowSampler
     output: RowOutput
     stats: GenerationStats
-    draft_fed: list[int] = field(default_factory=list)
-    draft_stable: int = 0  # draft_fed[:draft_stable] is known to be committed
+    draft_fed: FedTokens = field(default_factory=FedTokens)  # what its draft's cache holds
     draft_prefilled: bool = False  # its draft was fed its prompt in chunks when it joined
     started: float = 0.0  # perf_counter after its prefill
     counted: int = 0  # generated tokens already added to the batch totals
@@ -230,8 +230,7 @@ class RowJoins:
         if join.drafting:
             model.feed_rows(cache, np.asarray([slot]), block, np.asarray([b - a]))
             join.add_time(time.perf_counter() - t0)
-            row.draft_fed = list(row.tokens[:-1])
-            row.draft_stable = len(row.draft_fed)
+            row.draft_fed.reset(row.tokens[:-1])
             row.draft_prefilled = True
             if self.tuner is not None:
                 self.tuner.add_probe_cost(join.draft_s)
@@ -249,8 +248,7 @@ class RowJoins:
             return True
         if self.share_prompt_kv:  # a self-draft: the target's prompt, no draft prefill
             self.d_cache.copy_from(self.t_cache, int(self.d_cache.lengths[slot]), end, slot)
-            row.draft_fed = list(row.tokens[:-1])
-            row.draft_stable = len(row.draft_fed)
+            row.draft_fed.reset(row.tokens[:-1])
             row.draft_prefilled = True
             if self.tuner is not None and all(r is row for r in self.live):
                 self.tuner.draft_fed()  # alone: a probe can run while its catch-up is cheap

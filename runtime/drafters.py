@@ -24,10 +24,11 @@ import numpy as np
 
 from .adaptive import AdaptiveK
 from .backend import OrtModel
+from .fed_tokens import FedTokens
 from .kvcache import KVCache
 from .manifest import ModelSpec
 from .prefix_cache import feed
-from .rounds import RowSampler, fed_prefix
+from .rounds import RowSampler
 
 
 @dataclass
@@ -72,12 +73,7 @@ class ModelDrafter:
     most `len(view(tokens)) - 1`; `propose` feeds the missing tail (catch-up) then one token
     per step. `view(tokens)` is `tokens` until the draft lagged by more than `window` tokens
     (target-only rounds at k = 0, free n-gram hits): the catch-up then feeds only the last
-    `window` of them, after what the cache holds, and the view skips the ones between. Its
-    context has a gap from then on (its positions count its cache, not the text), which
-    changes what it proposes, never the output. Fed in full, one probe up from k = 0 late in
-    a long text fed thousands of tokens, so adaptive k skipped every probe
-    (`AdaptiveK.max_catch_up`) and never drafted again in that text; the window's size is
-    `AdaptiveK.CATCH_UP_WINDOW`'s measurement.
+    `window` of them, and the view skips the ones between (`fed_tokens`).
     """
 
     window = AdaptiveK.CATCH_UP_WINDOW  # the most tokens a catch-up feeds
@@ -89,22 +85,16 @@ class ModelDrafter:
         instead of computing its own (a self-draft: the target's model, quantized)."""
         self.model, self.cache, self.p_min = model, cache, p_min
         self.prompt_kv = prompt_kv
-        self.fed: list[int] = list(fed)  # the tokens whose keys/values are in the cache
-        self.stable = len(self.fed)  # fed[:stable] equals the committed tokens (their view)
-        # Cache positions from `seam` on hold the committed tokens `skipped` later (`view`).
-        self.seam = self.skipped = 0
+        self.state = FedTokens()  # the tokens whose keys/values are in the cache
+        self.state.reset(fed)
         assert int(cache.lengths[0]) == len(self.fed), "the cache holds exactly `fed`"
 
     def propose(self, tokens: list[int], k: int, sampler: RowSampler, position: int,
                 k_free: int = 0) -> Proposal:
         if k <= 0:
             return Proposal(np.zeros(0, np.int64), None)
-        view = self.view(tokens)
-        if len(view) - len(self.fed) > self.window:  # lagging: skip to the last `window`
-            self.seam = len(self.fed)
-            self.skipped += len(view) - len(self.fed) - self.window
-            view = self.view(tokens)
-        pending = view[len(self.fed):]
+        self.state.cut(tokens, self.window)  # lagging: skip to the last `window`
+        pending = self.view(tokens)[len(self.fed):]
         drafts: list[int] = []
         probs: list[np.ndarray] = []
         seconds = step_seconds = first_seconds = 0.0
@@ -160,23 +150,27 @@ class ModelDrafter:
                 self.cache.copy_from(self.prompt_kv, len(self.fed), len(tokens) - 1)
             else:
                 feed(self.model, self.cache, tokens[:-1])
-            self.fed = list(tokens[:-1])
+            self.state.reset(tokens[:-1])
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens whose keys and values are in the cache."""
+        return self.state.tokens
+
+    @property
+    def skipped(self) -> int:
+        """Committed tokens the draft's context skips (`FedTokens.view`)."""
+        return self.state.skipped
 
     def view(self, tokens: list[int]) -> list[int]:
-        """The committed `tokens` as the cache holds them: all of them, or, once a catch-up
-        was cut to `window`, those before the seam and those after the skipped ones."""
-        if not self.skipped:
-            return tokens
-        return self.fed[:self.seam] + tokens[self.seam + self.skipped:]
+        """The committed `tokens` as the cache holds them (`FedTokens.view`)."""
+        return self.state.view(tokens)
 
     def catch_up(self, tokens: list[int]) -> int:
-        return min(len(self.view(tokens)) - len(self.fed), self.window)
+        return self.state.catch_up(tokens, self.window)
 
     def commit(self, tokens: list[int]) -> None:
-        n = fed_prefix(self.fed, self.view(tokens), self.stable)
-        del self.fed[n:]
-        self.stable = n
-        self.cache.rollback(n)
+        self.cache.rollback(self.state.commit(tokens))
 
 
 class NgramDrafter:

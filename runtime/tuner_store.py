@@ -9,7 +9,7 @@ import copy
 import threading
 from collections.abc import Sequence
 
-from .adaptive import AdaptiveK, new_tuner, probe_catch_up
+from .adaptive import AdaptiveK, new_tuner
 
 __all__ = ["TunerKey", "TunerStore"]
 
@@ -43,9 +43,8 @@ class TunerStore:
                 if same:  # the nearest size; between two, the larger
                     stored = self.learned[min(same, key=lambda k: (abs(k[0] - key[0]), -k[0]))]
         if stored is None:
-            return new_tuner(key[1], key[2], key[0])
+            return new_tuner(key[1], key[2])
         tuner = copy.deepcopy(stored)
-        tuner.max_catch_up = probe_catch_up(key[0])  # maybe learned at another batch size
         tuner.new_text(prefill=prefill, rows=key[0])
         return tuner
 

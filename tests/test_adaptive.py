@@ -153,25 +153,28 @@ def test_a_cold_tuner_measures_plain_decoding_before_choosing() -> None:
 
 
 def test_a_probe_from_plain_decoding_waits_for_a_cheap_catch_up() -> None:
-    """At k = 0 the draft model is not fed; a probe up must first catch it up on every token
-    since (0.37 s at batch 8 late in a 64-token generation). Such a probe is skipped, and a new
-    generation, whose draft starts from its prefill, probes at once."""
+    """At k = 0 the draft model is not fed; a probe up must first catch it up. A catch-up
+    feeds at most `CATCH_UP_WINDOW` tokens a row (`fed_tokens`); more is a batch row's whole
+    deferred draft prefill (0.37 s at batch 8 for a 64-token catch-up fed in full). Such a
+    probe is skipped, and a new generation, whose draft starts from its prefill, probes at
+    once."""
     tuner = AdaptiveK(4, probe_every=4, max_probe_every=4)
     read_drafting_twice(tuner)  # drafting does not pay: k -> 0
-    lag = AdaptiveK.MAX_PROBE_CATCH_UP
+    lag = AdaptiveK.CATCH_UP_WINDOW
     for _ in range(20):
         lag += 1
         tuner.update(tuner.k, 0, 0.0, 0, 1.0, catch_up=lag)
         assert tuner.k == 0, "probed although the draft lags behind"
     tuner.new_text()
     assert tuner.k == 1 and tuner.probing  # the new text's first round probes
-    near = AdaptiveK(4, probe_every=4, max_probe_every=4)
-    read_drafting_twice(near)
-    ks = []
-    for _ in range(12):
-        near.update(near.k, 0, near.k * 0.9, near.k, 1.0 + 0.1 * near.k, catch_up=2)
-        ks.append(near.k)
-    assert 1 in ks  # with a cheap catch-up the probes still run
+    for lag in (2, AdaptiveK.CATCH_UP_WINDOW):
+        near = AdaptiveK(4, probe_every=4, max_probe_every=4)
+        read_drafting_twice(near)
+        ks = []
+        for _ in range(12):
+            near.update(near.k, 0, near.k * 0.9, near.k, 1.0 + 0.1 * near.k, catch_up=lag)
+            ks.append(near.k)
+        assert 1 in ks, lag  # with a catch-up of a window at most the probes still run
 
 
 def _lagging_tuner(draft_step: float, lag_per_round: int = 1,
@@ -182,11 +185,11 @@ def _lagging_tuner(draft_step: float, lag_per_round: int = 1,
     tuner = AdaptiveK(4)
     for accepted in (1, 0, 1, 0):  # half the first drafts accepted
         tuner.update(2, accepted, 2 * draft_step, 2, 1.3)
-    ks, lag = [], 8
+    ks, lag = [], AdaptiveK.CATCH_UP_WINDOW  # a deferred draft prefill: no probe runs
     for r in range(60):
         lag += lag_per_round
         tuner.update(tuner.k, 0, 0.0, 0, 1.0 if r < 30 else 1.6, catch_up=lag,
-                     tokens_left=tokens_left)
+                     tokens_left=tokens_left, catch_up_tokens=lag)
         ks.append(0 if tuner.probing else tuner.k)
         if tuner.k:
             break
@@ -216,12 +219,14 @@ def test_leaving_plain_decoding_must_pay_before_the_rows_finish() -> None:
         for accepted in (1, 0, 1, 0):  # drafting dearer than plain decoding: k -> 0
             tuner.update(2, accepted, 2 * 0.3, 2, 1.3)
         for _ in range(10):
-            tuner.update(0, 0, 0.0, 0, 1.0, catch_up=20, tokens_left=tokens_left)
+            tuner.update(0, 0, 0.0, 0, 1.0, catch_up=20, tokens_left=tokens_left,
+                         catch_up_tokens=20)
         assert tuner.k == 0
         tuner.interval, tuner.next_probe = 256, tuner.rounds + 256  # no probe in the way
         ks = []
         for _ in range(60):  # plain decoding grows dearer: drafting would be ~45% faster
-            tuner.update(0, 0, 0.0, 0, 1.6, catch_up=20, tokens_left=tokens_left)
+            tuner.update(0, 0, 0.0, 0, 1.6, catch_up=20, tokens_left=tokens_left,
+                         catch_up_tokens=20)
             ks.append(tuner.k)
             tuner.k = 0  # still lagging by 20 tokens (6 s of catch-up)
         return ks
@@ -262,7 +267,7 @@ def test_a_dear_probe_waits_until_it_costs_a_small_share() -> None:
     tuner = AdaptiveK(4)
     read_drafting_twice(tuner)  # drafting does not pay: k -> 0
     for _ in range(20):
-        tuner.update(0, 0, 0.0, 0, 1.0, catch_up=20)
+        tuner.update(0, 0, 0.0, 0, 1.0, catch_up=40, catch_up_tokens=40)
     tuner.new_text()
     assert tuner.probing
     tuner.add_probe_cost(14.0)  # the draft's prefill for this text, in plain-round seconds
@@ -273,7 +278,7 @@ def test_a_dear_probe_waits_until_it_costs_a_small_share() -> None:
     cheap = AdaptiveK(4)  # the same probe without the prefill: the doubling interval only
     read_drafting_twice(cheap)
     for _ in range(20):
-        cheap.update(0, 0, 0.0, 0, 1.0, catch_up=20)
+        cheap.update(0, 0, 0.0, 0, 1.0, catch_up=40, catch_up_tokens=40)
     cheap.new_text()
     assert cheap.probing
     cheap.update(cheap.k, 0, 0.9, 1, 1.1, catch_up=2)
@@ -289,12 +294,13 @@ def test_leaving_plain_decoding_must_pay_within_the_text_left() -> None:
     for accepted in (1, 0, 1, 0):
         tuner.update(2, accepted, 2 * 0.5, 2, 1.3)
     for _ in range(60):
-        tuner.update(0, 0, 0.0, 0, 1.0, catch_up=20)
+        tuner.update(0, 0, 0.0, 0, 1.0, catch_up=20, catch_up_tokens=20)
     tuner.new_text()
     tuner.k, tuner.probing, tuner._best_at_probe = 0, False, None
     tuner.interval, tuner.next_probe = 4096, tuner.rounds + 4096  # after a dear probe
     for r in range(60):
-        tuner.update(0, 0, 0.0, 0, 1.0 if r < 30 else 1.6, catch_up=9 + r)
+        tuner.update(0, 0, 0.0, 0, 1.0 if r < 30 else 1.6, catch_up=9 + r,
+                     catch_up_tokens=9 + r)
         assert tuner.k == 0, f"left k = 0 at round {r} of the text"
 
 
@@ -476,11 +482,11 @@ def test_a_row_that_joins_with_its_draft_fed_gets_a_due_probe() -> None:
     probe that falls mid-request is skipped; a server's requests start no text, and its probes
     all fell mid-request, so a tuner at k = 0 never drafted again. A row that joins with its
     draft fed (the target's prompt copied) pulls a probe due within the interval to its first
-    round; a busy batch whose other rows lag still skips it."""
+    round; a busy batch whose other rows' draft prefills were deferred still skips it."""
     for others_lag in (False, True):
         tuner = AdaptiveK(4, probe_every=64, max_probe_every=64)
         read_drafting_twice(tuner)  # drafting does not pay: k -> 0
-        lag = AdaptiveK.MAX_PROBE_CATCH_UP
+        lag = AdaptiveK.CATCH_UP_WINDOW
         for _ in range(4):  # mid-request: the draft lags, no probe
             lag += 1
             tuner.update(tuner.k, 0, 0.0, 0, 1.0, catch_up=lag)
@@ -715,8 +721,8 @@ def test_a_long_text_drafts_again_after_a_bad_stretch() -> None:
     """Regression (simulated with the fast pair's costs): within one long text, 60 rounds whose
     drafts are mostly rejected, then 400 whose drafts are accepted 90% of the time. Before, the
     tuner never drafted again in that text (0 of 400 rounds on 20 of 20 seeds): at k = 0 the
-    acceptance read in the bad stretch never aged, the draft's lag passed
-    `MAX_PROBE_CATCH_UP` so every probe was skipped, and a text longer than the average left
+    acceptance read in the bad stretch never aged, the draft's lag passed 8 tokens
+    (`MAX_PROBE_CATCH_UP` then) so every probe was skipped, and a text longer than the average left
     no tokens to repay a catch-up in. Now acceptance ages at k = 0 rounds, a catch-up feeds at
     most a window, and a text past the average length is bounded by its budget."""
     drafting = []

@@ -262,7 +262,7 @@ def test_adaptive_at_k0_defers_the_draft_prefill(concat_pair: Pair) -> None:
                            max_len=plan.cache_len(max(map(len, ids)), 12), tuner=tuner)
     calls = concat_pair.draft.calls
     rows = [decoder.add(RowRequest(i, concat_pair.new_output(i, cfg))) for i in ids]
-    assert concat_pair.draft.calls == calls and all(not r.draft_fed for r in rows)
+    assert concat_pair.draft.calls == calls and all(not r.draft_fed.tokens for r in rows)
     decoder.step()  # k = 0: no draft call
     assert concat_pair.draft.calls == calls
     tuner.k = 2  # drafting resumes
@@ -275,7 +275,7 @@ def test_adaptive_at_k0_defers_the_draft_prefill(concat_pair: Pair) -> None:
     catch_up = 1 if concat_pair.draft.spec.graph == "concat" else min(
         len(rows), max(len(i) for i in ids))
     assert concat_pair.draft.calls == calls + catch_up + 2
-    assert live and all(len(r.draft_fed) >= r.prompt_len for r in live)
+    assert live and all(len(r.draft_fed.tokens) >= r.prompt_len for r in live)
     assert tuner.feeds.mean  # the catch-up priced the next ones
     while decoder.live:
         decoder.step()
@@ -374,3 +374,54 @@ def test_a_joined_rows_first_token_is_streamed_before_the_round(concat_pair: Pai
     assert events and events[0][1] == 0, events  # before any round
     text = "".join(t for t, _ in events)
     assert text == concat_pair.generate(prompt, replace(cfg, drafter="none")).text
+
+
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_a_rows_long_lag_is_caught_up_in_one_window(concat_pair: Pair, drafter: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: in a batch a row's draft caught up on every token of its k = 0 rounds (a
+    call of its own), so the tuner skipped every probe up from k = 0 once the rows lagged by
+    more than 8 tokens, and a batch that went to k = 0 stayed there to the end of its texts.
+    Now a row whose draft holds its prompt catches up on at most its last `CATCH_UP_WINDOW`
+    tokens (`fed_tokens`), as at batch 1; every row is still target-only's, token for token,
+    and its draft cache holds a prefix of its view of the committed tokens every round."""
+    import specedge.runtime.batch as batch_module
+    import specedge.runtime.batch_calls as calls_module
+    from specedge.runtime.adaptive import AdaptiveK
+    from specedge.runtime.batch import BatchDecoder, RowRequest
+
+    script = [2] * 3 + [0] * 50 + [3, 2, 0, 0, 4] + [0] * 40 + [3, 1]
+    monkeypatch.setattr(AdaptiveK, "choose",
+                        lambda self: script[min(self.rounds, len(script) - 1)])
+    monkeypatch.setattr(AdaptiveK, "free_hits_pay", lambda self: False)
+    widths: list[int] = []  # the widest row of each draft call (catch-ups and drafting)
+    real = calls_module.ragged_verify
+
+    def spy(model: Any, cache: Any, rows: Any, blocks: Any, lens: list[int], *args: Any,
+            **kwargs: Any) -> Any:
+        if model is concat_pair.draft:
+            widths.append(max(lens))
+        return real(model, cache, rows, blocks, lens, *args, **kwargs)
+
+    monkeypatch.setattr(batch_module, "ragged_verify", spy)
+    monkeypatch.setattr(calls_module, "ragged_verify", spy)
+    cfg = GenerationConfig(max_new_tokens=140, drafter=drafter, num_draft_tokens=4,
+                           adaptive=True, ignore_eos=True)
+    plan = concat_pair.plan(cfg)
+    ids = [concat_pair.encode_prompt(p) for p in PROMPTS[:3]]
+    tuner = AdaptiveK(4)  # drafting when the rows join: their drafts hold their prompts
+    decoder = BatchDecoder(concat_pair.target, concat_pair.draft, plan, capacity=3,
+                           max_len=plan.cache_len(max(map(len, ids)), 140), tuner=tuner)
+    rows = [decoder.add(RowRequest(i, concat_pair.new_output(i, cfg))) for i in ids]
+    assert decoder.d_cache is not None
+    while decoder.live:
+        decoder.step()
+        for row in decoder.live:
+            fed, view = row.draft_fed.tokens, row.draft_fed.view(row.tokens)
+            assert fed == view[:len(fed)] and len(fed) <= len(view) - 1
+            assert int(decoder.d_cache.lengths[row.index]) == len(fed)
+    for i, row in zip(ids, rows, strict=True):
+        want = concat_pair.generate_ids(i, replace(cfg, drafter="none", adaptive=False))[0]
+        assert row.generated == want
+    assert any(row.draft_fed.skipped > 0 for row in rows), "no catch-up was cut short"
+    assert widths and max(widths) <= AdaptiveK.CATCH_UP_WINDOW
