@@ -58,7 +58,7 @@ def main() -> None:
         t0 = time.perf_counter()
         base = run(pair, ids, [config(args, i, "none") for i in group])[0]
         t1 = time.perf_counter()
-        spec, ks = run(pair, ids, [config(args, i, None) for i in group])
+        spec, ks, draft_share = run(pair, ids, [config(args, i, None) for i in group])
         t2 = time.perf_counter()
         half = ks[len(ks) // 2:]
         drafting = sum(k > 0 for k in ks) / max(1, len(ks))
@@ -68,19 +68,23 @@ def main() -> None:
         same += sum(x == y for x, y in zip(spec, base, strict=True))
         print(f"{n:5d} tok  identical={spec == base}  target {n / (t1 - t0):.1f}"
               f"  adaptive {n / (t2 - t1):.1f} tok/s ({(t1 - t0) / (t2 - t1):.2f}x)"
-              f"  rounds {len(ks)}  drafting {drafting:.2f} (2nd half {late:.2f})", flush=True)
+              f"  rounds {len(ks)}  drafting {drafting:.2f} (2nd half {late:.2f})"
+              f"  draft calls {draft_share:.3f} of the time", flush=True)
     print(f"TOTAL {tokens} tok: target {tokens / base_s:.1f}  adaptive {tokens / spec_s:.1f} tok/s"
           f" = {base_s / spec_s:.3f}x; identical {same}/{len(prompts)}")
 
 
 def run(pair: Pair, ids: list[list[int]], configs: list[GenerationConfig]
-        ) -> tuple[list[list[int]], list[int]]:
-    """The texts for `ids` (alone, or as one batch) and the draft length of each round."""
+        ) -> tuple[list[list[int]], list[int], float]:
+    """The texts for `ids` (alone, or as one batch), the draft length of each round and the
+    share of decoding time spent in draft calls (catch-ups included)."""
     if len(ids) == 1:
         tokens, _, stats = pair.generate_ids(ids[0], configs[0])
-        return [tokens], stats.draft_lengths
+        return [tokens], stats.draft_lengths, stats.draft_s / max(stats.decode_s, 1e-9)
     result = pair.generate_batch_ids(ids, configs)
-    return [r.tokens for r in result.results], result.stats.draft_lengths
+    totals = result.stats
+    return ([r.tokens for r in result.results], totals.draft_lengths,
+            totals.draft_s / max(totals.decode_s, 1e-9))
 
 if __name__ == "__main__":
     main()

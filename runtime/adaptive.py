@@ -63,8 +63,7 @@ class AdaptiveK:
       first (`_lag_cost`).
     - Every `probe_every` rounds a neighbouring k is tried so that the costs and acceptances it
       relies on stay measured; a probe that does not change the choice doubles the interval (up
-      to `max_probe_every`), because a probe is not free, unless it read drafting much better
-      than believed (`_closing`). The draft model is not fed while
+      to `max_probe_every`), because a probe is not free. The draft model is not fed while
       k = 0, and a catch-up feeds at most its last `CATCH_UP_WINDOW` tokens a row
       (`fed_tokens`); a probe up from k = 0 is skipped only when it would first feed a
       row's whole deferred draft prefill (a batch row that joined at k = 0). Fed in full, at
@@ -135,7 +134,6 @@ class AdaptiveK:
         self.next_probe = probe_every
         self.probing = False  # the current k is a probe
         self._best_at_probe: int | None = None
-        self._probe_gap: tuple[int, float] | None = None  # (probed k, its rate's shortfall)
         self._probes = 0
         self._last_probe = 0  # rounds at the last probe
         self.catch_up = 0  # the most tokens a row's draft would feed before drafting
@@ -367,11 +365,12 @@ class AdaptiveK:
         decayed rounds."""
         return self._rate((rows, min(k, 1)))
 
-    def _rate(self, key: tuple[int, int]) -> float | None:
+    def _rate(self, key: tuple[int, int], least: float = REALIZED_MIN) -> float | None:
+        """What the rounds of `key` realized; None: fewer than `least` decayed rounds."""
         entry = self._realized.get(key)
         if entry is None or entry[2] <= 0:
             return None
-        if entry[0] * self.REALIZED_DECAY ** (self.rounds - entry[3]) < self.REALIZED_MIN:
+        if entry[0] * self.REALIZED_DECAY ** (self.rounds - entry[3]) < least:
             return None
         return entry[1] / entry[2]
 
@@ -430,20 +429,6 @@ class AdaptiveK:
         usual = self.draft.cost(max(self.rows, round(self.rows * width)))
         return max(0.0, lagging - usual) if lagging is not None and usual is not None else 0.0
 
-    def _closing(self, measured: dict[int, float]) -> bool:
-        """Whether a probe up from k = 0 closed at least half the gap between its k's
-        predicted rate and plain decoding's: drafting read much better than believed (a good
-        stretch of text after a bad one), so the next probe comes after `probe_every` rounds
-        instead of a doubled interval. One probe round moves acceptance read down to
-        `AGE_FLOOR` by a third, so at batch 2 (drafting 1.15x at acceptance 0.95) 4 of 10
-        simulated texts stayed at k = 0 through 400 good rounds, probes 256 rounds apart."""
-        if self._probe_gap is None:
-            return False
-        k, gap = self._probe_gap
-        if gap <= 0 or k not in measured or 0 not in measured:
-            return False
-        return measured[0] - measured[k] < 0.5 * gap
-
     def choose(self) -> int:
         if self.draft_step is None and self.k > 0:
             return self.k  # no draft cost measured yet (e.g. no n-gram hit so far): keep trying
@@ -460,6 +445,12 @@ class AdaptiveK:
             best = 0  # near break-even the estimates' noise flipped k to drafts that lost
         plain_rate = self.realized_rate(self.rows, 0) or measured.get(0)
         done = self.realized_rate(self.rows, best) if best else None
+        if done is None and best and self.k == 0 and self.catch_up <= self.CATCH_UP_WINDOW:
+            # A verdict that faded stands; probes renew it, one round each and spaced by their
+            # cost. Renewed by the model instead, each re-read paid a catch-up and a few losing
+            # rounds, every 40-150 rounds (batch 2 on a CPU, sampled: 6% of the time in draft
+            # calls). Not while a deferred draft prefill skips the probes.
+            done = self._rate((self.rows, 1), least=0.0)
         if done is not None and plain_rate is not None and done < plain_rate:
             best = 0  # drafting lost in the rounds that ran it at these rows (the docstring)
         catch_up = self._catch_up_cost()
@@ -485,7 +476,7 @@ class AdaptiveK:
             if saving < catch_up:
                 best = 0
         if self._best_at_probe is not None:  # the round after a probe: did it change anything?
-            changed = best != self._best_at_probe or self._closing(measured)
+            changed = best != self._best_at_probe
             self.interval = self.probe_every if changed else min(2 * self.interval,
                                                                  self.max_probe_every)
             plain = self.verify_cost(1)
@@ -497,7 +488,7 @@ class AdaptiveK:
                     self.MAX_COSTLY_PROBE_EVERY))
             self._probe_cost = 0.0
             self.next_probe = self.rounds + self.interval
-            self._best_at_probe = self._probe_gap = None
+            self._best_at_probe = None
         retry = (best == 0 and self.draft.fixed is None and not catch_up
                  and self.draft_rounds < self.TRUST_READINGS)
         if retry:
@@ -517,8 +508,6 @@ class AdaptiveK:
                 probe = best  # a whole deferred draft prefill: more than the probe can tell
             if probe != best:
                 self._best_at_probe, self.probing = best, True
-                if best == 0 and probe in measured and 0 in measured:
-                    self._probe_gap = (probe, measured[0] - measured[probe])
                 self._last_probe = self.rounds
                 return probe
             self.next_probe = self.rounds + self.interval

@@ -395,9 +395,7 @@ def test_costs_are_compared_at_the_rows_a_batch_has_now() -> None:
         ks.append(k)
         tuner.update_batch(k, [(k, r % 2 * min(k, 1))], draft(1) * k, k, call(k + 1), rows=1,
                            next_rows=1)
-    # A probe that reads drafting much better than believed is repeated after `probe_every`
-    # rounds (`AdaptiveK._closing`): one such, in this alternating pattern.
-    assert sum(k > 0 for k in ks[5:]) <= 4, ks
+    assert sum(k > 0 for k in ks[5:]) <= 3, ks
 
 
 def test_a_measured_prefill_is_not_read_as_the_draft_step() -> None:
@@ -839,9 +837,9 @@ def test_a_batch_drafts_again_after_a_bad_stretch() -> None:
     plain rounds). A batch fed its rows' drafts every token they lagged by, and its tuner
     skipped every probe up from k = 0 past 8 tokens a row, so it never drafted again in those
     texts; fed whole, a lag past the window still does not. Cut to `CATCH_UP_WINDOW` a row
-    (`fed_tokens`), probes run, and a probe that reads drafting much better than believed is
-    repeated soon (`AdaptiveK._closing`; without it 4 of 10 texts stayed at k = 0, their
-    probes 256 rounds apart): drafting resumes, by the next due probe at the latest."""
+    (`fed_tokens`), probes run: every text drafts again, by its next due probe at the latest
+    (probes are up to `max_probe_every` rounds apart; one probe round moves the acceptance
+    read by a third, so 4 of 10 texts went back to k = 0 until a later probe)."""
     drafting = []
     for seed in range(10):
         for window in (AdaptiveK.CATCH_UP_WINDOW, None):
@@ -857,6 +855,32 @@ def test_a_batch_drafts_again_after_a_bad_stretch() -> None:
             if window is None:
                 assert not any(ks), seed
                 continue
-            assert any(ks), seed
-            drafting.append(sum(k > 0 for k in ks[-150:]) / 150)
-    assert sum(share >= 0.5 for share in drafting) >= 9, drafting
+            assert any(ks[:AdaptiveK(4).max_probe_every]), seed
+            drafting.append(sum(k > 0 for k in ks) / len(ks))
+    assert sum(drafting) / len(drafting) >= 0.25, drafting
+
+
+def test_a_faded_verdict_that_drafting_lost_stands_until_a_probe() -> None:
+    """Regression (batch 2 on the CPU, sampled 512-token texts, with catch-ups cut to a
+    window): the model predicted drafting 30% faster than plain rounds, the rounds that drafted
+    realized no gain, and each time that verdict faded (a few rounds' reading, in 40-150
+    rounds) the model left k = 0 again: a catch-up and a few losing rounds each time, 6% of
+    the time in draft calls. A faded verdict now stands; probes (one round each) renew it."""
+    tuner = AdaptiveK(2, probe_every=64, max_probe_every=64)
+    for r in range(6):  # drafting predicted to pay (all accepted), realized at half the rate
+        k = r % 2
+        tuner.update_batch(k, [(k, k)] * 2, 0.001 * k, k, 0.02 + 0.001 * k, rows=2,
+                           first_call=(2, 1, 0.001) if k else None,
+                           realized=((2 * k + 2), 0.02 + (0.06 if k else 0.0)))
+    ks, probes = [], []
+    for _ in range(300):
+        k = tuner.k
+        ks.append(k)
+        probes.append(tuner.probing)
+        tuner.update_batch(k, [(k, k)] * 2, 0.001 * k, k, 0.02 + 0.001 * k, rows=2,
+                           first_call=(2, 1, 0.001) if k else None, catch_up=0 if k else 4,
+                           realized=((2 * k + 2), 0.02 + (0.06 if k else 0.0)))
+    assert ks.count(0) > 250
+    # Every round that drafted was a probe (or the rounds a probe's reading let through).
+    left = [i for i, k in enumerate(ks) if k and i and not ks[i - 1] and not probes[i]]
+    assert not left, left
